@@ -1,0 +1,217 @@
+"""Pieces shared by the decoder-only target families (Llama, Qwen3).
+
+The module tree mirrors Hugging Face's parameter names (``model.layers.N.self_attn.q_proj``)
+so a checkpoint's tensors load by name with no renaming table for HF folders.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache
+
+
+@dataclass
+class DecoderArgs:
+    """The hyper-parameters every supported decoder family shares."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    qk_norm: bool = False
+    attention_bias: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+
+class ForwardOutput(NamedTuple):
+    """Logits ``[B, L, V]`` and, when asked, the tapped layer outputs ``[B, L, n_taps*H]``."""
+
+    logits: mx.array
+    taps: mx.array | None
+
+
+def llama3_rope_frequencies(head_dim: int, base: float, scaling: dict[str, Any]) -> mx.array:
+    """Llama 3.x's frequency-dependent RoPE stretch (long wavelengths scaled, short kept)."""
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    low_wavelen = old_context / low
+    high_wavelen = old_context / high
+    freqs = base ** (mx.arange(0, head_dim, 2) / head_dim)
+    wavelens = 2 * math.pi * freqs
+    freqs = mx.where(wavelens > low_wavelen, freqs * factor, freqs)
+    is_medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    smooth = (old_context / wavelens - low) / (high - low)
+    medium = freqs / ((1 - smooth) / factor + smooth)
+    return mx.where(is_medium, medium, freqs)
+
+
+class RoPE(nn.Module):
+    """Non-interleaved rotary embedding, optionally with Llama 3 or linear scaling."""
+
+    def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.base: float | None = base
+        self.scale = 1.0
+        self._freqs: mx.array | None = None
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind == "llama3":
+            self._freqs = llama3_rope_frequencies(head_dim, base, scaling or {})
+            self.base = None
+        elif kind == "linear":
+            self.scale = 1.0 / float((scaling or {})["factor"])
+        elif kind not in ("default", None):
+            raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return mx.fast.rope(
+            x, self.head_dim, traditional=False, base=self.base, scale=self.scale,
+            offset=offset, freqs=self._freqs,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = hd = args.head_dim or 0
+        self.scale = hd**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=False)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.rope = RoPE(hd, args.rope_theta, args.rope_scaling)
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        b, length, _ = x.shape
+        return x.reshape(b, length, n, self.head_dim)
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        b, length, _ = x.shape
+        q = self._heads(self.q_proj(x), self.n_heads)
+        k = self._heads(self.k_proj(x), self.n_kv_heads)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        mask = "causal" if length > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward, as in Llama and Qwen3."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """``model.*`` in HF naming: embedding, layers, final norm."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """A decoder-only causal LM whose forward can also return tapped layer outputs."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderStack(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_hidden_layers
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.embed_tokens(tokens)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The LM head on already-normed hidden states (tied embeddings act as a linear)."""
+        if "lm_head" in self:
+            return self.lm_head(hidden)
+        return self.model.embed_tokens.as_linear(hidden)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: Sequence[KVCache] | None = None,
+        tap_layers: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> ForwardOutput:
+        """Forward ``tokens [B, L]``; ``tap_layers`` are 0-based layers whose output is returned.
+
+        Taps come out as ``[B, L, n_taps*H]`` in ``tap_layers`` order: the
+        ``[token, layer*dim]`` layout the DFlash drafter's ``fc`` consumes.
+        """
+        h = self.embed(tokens)
+        wanted = {lid: i for i, lid in enumerate(tap_layers)}
+        tapped: list[mx.array | None] = [None] * len(tap_layers)
+        for lid, layer in enumerate(self.model.layers):
+            h = layer(h, cache[lid] if cache is not None else None)
+            if lid in wanted:
+                tapped[wanted[lid]] = h
+        if last_only:
+            h = h[:, -1:]
+        logits = self.logits(self.model.norm(h))
+        taps = mx.concatenate(tapped, axis=-1) if tap_layers else None  # type: ignore[arg-type]
+        return ForwardOutput(logits, taps)
+
+    def make_cache(self, batch_size: int = 1) -> list[KVCache]:
+        return [KVCache() for _ in range(self.num_layers)]

@@ -1,0 +1,77 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, reproducible with a seed.
+
+Plain decoding and speculative decoding share :func:`probabilities`, so "lossless"
+means the same distribution in both, not merely a similar one.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from protocol import GenerationParams
+
+from .errors import RequestError
+
+
+def check_params(params: GenerationParams) -> None:
+    """Reject values no sampler can honour, naming the field."""
+    if params.max_tokens < 1:
+        raise RequestError("max_tokens", f"must be at least 1, got {params.max_tokens}")
+    if not 0.0 <= params.temperature <= 10.0:
+        raise RequestError("temperature", f"must be in [0, 10], got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise RequestError("top_p", f"must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise RequestError("top_k", f"must be 0 (off) or positive, got {params.top_k}")
+    if params.block_size is not None and params.block_size < 1:
+        raise RequestError("block_size", f"must be at least 1, got {params.block_size}")
+    if any(not s for s in params.stop):
+        raise RequestError("stop", "stop strings must be non-empty")
+
+
+def is_greedy(params: GenerationParams) -> bool:
+    return params.temperature == 0.0
+
+
+def probabilities(logits: mx.array, params: GenerationParams) -> mx.array:
+    """The sampling distribution over the last axis after temperature, top-k and top-p."""
+    logits = logits.astype(mx.float32) / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = mx.sort(logits, axis=-1)[..., -params.top_k][..., None]
+        logits = mx.where(logits < kth, -mx.inf, logits)
+    probs = mx.softmax(logits, axis=-1)
+    if params.top_p < 1.0:
+        order = mx.argsort(-probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = before < params.top_p  # the smallest prefix whose mass reaches top_p
+        keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+        probs = mx.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+class Sampler:
+    """Draws tokens for one request; a seed makes the sequence of draws reproducible."""
+
+    def __init__(self, params: GenerationParams) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1).item())
+        self._key = mx.random.key(seed)
+
+    def next_key(self) -> mx.array:
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """Tokens for ``logits [..., V]`` (argmax when greedy)."""
+        if is_greedy(self.params):
+            return mx.argmax(logits, axis=-1)
+        return self.draw(probabilities(logits, self.params))
+
+    def draw(self, probs: mx.array) -> mx.array:
+        """One draw per row of an explicit distribution ``probs [..., V]``."""
+        return mx.random.categorical(mx.log(probs), axis=-1, key=self.next_key())
+
+    def uniform(self, shape: tuple[int, ...]) -> mx.array:
+        return mx.random.uniform(shape=shape, key=self.next_key())

@@ -1,0 +1,73 @@
+"""The decoder forward: taps, caches, trimming, and the context limit."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from protocol import GenerationParams
+from runtime.errors import ContextLengthError
+from runtime.loading import LoadedModel
+from runtime.plain import generate_plain, run_to_end
+
+TOKENS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+
+
+def test_trimming_the_cache_and_forwarding_again_reproduces_an_uncut_forward(tiny_llama: LoadedModel) -> None:
+    model = tiny_llama.model
+    full = model(mx.array([TOKENS])).logits[0]
+    cache = model.make_cache()
+    model(mx.array([TOKENS[:6] + [7, 7, 7]]), cache)  # three wrong tokens ...
+    for layer in cache:
+        assert layer.trim(3) == 3  # ... trimmed away
+    rest = model(mx.array([TOKENS[6:]]), cache).logits[0]
+    np.testing.assert_allclose(np.array(rest), np.array(full[6:]), atol=1e-5)
+    assert cache[0].offset == len(TOKENS)
+
+
+def test_incremental_decoding_matches_one_full_forward(tiny_llama: LoadedModel) -> None:
+    model = tiny_llama.model
+    full = np.array(model(mx.array([TOKENS])).logits[0])
+    cache = model.make_cache()
+    steps = [np.array(model(mx.array([[t]]), cache).logits[0, 0]) for t in TOKENS]
+    np.testing.assert_allclose(np.stack(steps), full, atol=1e-5)
+
+
+def test_taps_are_layer_outputs_concatenated_in_requested_order(tiny_llama: LoadedModel) -> None:
+    model = tiny_llama.model
+    out = model(mx.array([TOKENS]), tap_layers=(2, 0))
+    h = model.embed(mx.array([TOKENS]))
+    outputs = []
+    for layer in model.model.layers:
+        h = layer(h, None)
+        outputs.append(h)
+    want = mx.concatenate([outputs[2], outputs[0]], axis=-1)
+    assert out.taps is not None and out.taps.shape == (1, len(TOKENS), 2 * model.args.hidden_size)
+    np.testing.assert_allclose(np.array(out.taps), np.array(want), atol=1e-6)
+
+
+def test_prompt_longer_than_the_context_is_refused_with_advice(tiny_llama: LoadedModel) -> None:
+    limit = tiny_llama.model.args.max_position_embeddings
+    with pytest.raises(ContextLengthError, match="shorten the prompt or lower max_tokens"):
+        list(generate_plain(tiny_llama.model, tiny_llama.tokenizer, [5] * (limit - 3), GenerationParams(max_tokens=4)))
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_llama: LoadedModel) -> None:
+    def run(seed: int) -> list[int]:
+        params = GenerationParams(max_tokens=24, temperature=3.0, top_p=0.95, top_k=100, seed=seed)
+        return run_to_end(generate_plain(tiny_llama.model, tiny_llama.tokenizer, TOKENS, params), len(TOKENS)).token_ids
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_max_tokens_and_stop_strings_end_plain_generation(tiny_llama: LoadedModel) -> None:
+    tok = tiny_llama.tokenizer
+    free = run_to_end(generate_plain(tiny_llama.model, tok, TOKENS, GenerationParams(max_tokens=12)), len(TOKENS))
+    assert free.finish_reason in ("length", "stop") and len(free.token_ids) <= 12
+    if free.finish_reason == "length" and len(free.text) > 4:
+        stop = free.text[2:4]
+        cut = run_to_end(generate_plain(tiny_llama.model, tok, TOKENS, GenerationParams(max_tokens=12, stop=(stop,))), len(TOKENS))
+        assert cut.finish_reason == "stop"
+        assert cut.text == free.text[: free.text.find(stop)]
