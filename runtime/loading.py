@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .errors import CheckpointError, UnsupportedArchitectureError
 from .models import DecoderModel, decoder_args
+from .models.dflash import DFlashDrafter, drafter_args
 from .tokenizer import Tokenizer
 
 PROGRESS_MIN_BYTES = 64 << 20  # smaller files load too fast for a progress bar to help
@@ -401,3 +402,22 @@ def load_target(path: str | Path, dtype: str = "auto") -> LoadedModel:
         format=ckpt.format, compute_dtype=compute, quantized=bool(ckpt.quantized),
         files=ckpt.files,
     )
+
+
+# ---------------------------------------------------------------- DFlash drafters
+
+
+def load_drafter(path: str | Path, target: LoadedModel) -> DFlashDrafter:
+    """Load a z-lab-format drafter folder, in the target's compute dtype, bound to it."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a drafter folder (config.json + model.safetensors)")
+    args = drafter_args(_read_json(folder / "config.json"))
+    tensors = read_safetensors(safetensors_files(folder), f"loading {folder.name}")
+    drafter = DFlashDrafter(args)
+    check_tensors(dict(tree_flatten(drafter.parameters())), tensors, folder)
+    dtype = DTYPES[target.compute_dtype]
+    drafter.load_weights([(k, v.astype(dtype)) for k, v in tensors.items()], strict=True)
+    mx.eval(drafter.parameters())
+    drafter.eval()
+    return drafter.bind(target.model)

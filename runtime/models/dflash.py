@@ -1,0 +1,252 @@
+"""The DFlash block-diffusion drafter (z-lab checkpoint format).
+
+A small Qwen3-style stack with no embedding and no LM head of its own: it borrows the
+target's (``bind``). One call drafts a whole block ``[anchor, MASK, ..., MASK]``,
+conditioned on the target's tapped hidden states ("KV injection": the projected context
+features are extra keys/values in every layer). Only context K/V enter the drafter's
+cache; block K/V are used for the call and dropped, so the cache only ever grows with
+committed context and is never rolled back.
+
+Semantics follow z-lab's ``dflash==0.1.0`` (see tests/reference/DFLASH_REFERENCE_NOTES.md):
+positions are absolute (context row j at its token's position, block row i at
+``anchor_pos + i``); full-attention layers have no mask at all; sliding layers (or every
+layer when ``is_causal``) are causal, with a window only when ``use_sliding_window``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache
+from ..errors import CheckpointError, UnsupportedArchitectureError
+from .base import MLP, DecoderModel, RoPE
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+@dataclass
+class DrafterArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    block_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    causal_layers: list[bool]
+    sliding_layers: list[bool]
+    sliding_window: int | None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+
+def default_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
+    """z-lab's default taps: spread from layer 1 to N-3."""
+    if num_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_layers - 1)) for i in range(num_layers)]
+
+
+def drafter_args(config: dict[str, Any]) -> DrafterArgs:
+    """Read a z-lab config.json: DFlash fields from ``dflash_config`` first, then top level."""
+    architectures = config.get("architectures") or []
+    if ARCHITECTURE not in architectures:
+        raise UnsupportedArchitectureError(
+            f"drafter architecture {architectures!r} is not supported: this runtime reads "
+            f"{ARCHITECTURE!r} (DFlash v1) checkpoints"
+        )
+    dflash = config.get("dflash_config") or {}
+
+    def field(name: str, default: Any = None) -> Any:
+        value = dflash.get(name, config.get(name, default))
+        if value is None and default is None:
+            raise CheckpointError(f"drafter config.json lacks {name!r} (top level or dflash_config)")
+        return value
+
+    try:
+        layers = config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        num_target_layers = int(field("num_target_layers"))
+        layer_types = config.get("layer_types") or ["full_attention"] * layers
+        global_causal = config.get("is_causal")
+        causal = [bool(global_causal) if global_causal is not None else t == "sliding_attention" for t in layer_types]
+        rope = config.get("rope_parameters") or {}
+        return DrafterArgs(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
+            block_size=int(field("block_size", 16)),
+            target_layer_ids=[int(i) for i in field("target_layer_ids", default_target_layer_ids(num_target_layers, layers))],
+            num_target_layers=num_target_layers,
+            mask_token_id=int(field("mask_token_id")),
+            causal_layers=causal,
+            sliding_layers=[t == "sliding_attention" for t in layer_types],
+            # Qwen3Config (the official loader) drops the window unless use_sliding_window
+            sliding_window=config.get("sliding_window") if config.get("use_sliding_window") else None,
+            input_embedding_scale=float(field("input_embedding_scale", 1.0)),
+            output_multiplier=float(field("output_multiplier", 1.0)),
+            final_logit_softcapping=dflash.get("final_logit_softcapping", config.get("final_logit_softcapping")),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"drafter config.json lacks the field {exc.args[0]!r}") from None
+
+
+def block_mask(ctx_len: int, block_len: int, causal: bool, window: int | None) -> mx.array | None:
+    """Which keys ``[ctx ; block]`` each block query may see; None means all of them."""
+    if not causal and window is None:
+        return None
+    key_pos = mx.arange(ctx_len + block_len)[None, :]
+    query_pos = (ctx_len + mx.arange(block_len))[:, None]
+    allowed = mx.ones((block_len, ctx_len + block_len), dtype=mx.bool_)
+    if causal:
+        allowed = allowed & (key_pos <= query_pos)
+    if window is not None:
+        allowed = allowed & (query_pos - key_pos < window)
+        if not causal:
+            allowed = allowed & (key_pos - query_pos < window)
+    return allowed
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, args: DrafterArgs, causal: bool, sliding: bool) -> None:
+        super().__init__()
+        hd = args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
+        self.causal = causal
+        self.window = args.sliding_window if sliding else None
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.rope = RoPE(hd, args.rope_theta, args.rope_scaling)
+
+    def _project_kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        b, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
+        return self.rope(k.transpose(0, 2, 1, 3), offset), v.transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, h_ctx: mx.array | None, cache: KVCache) -> mx.array:
+        b, length, _ = x.shape
+        if h_ctx is not None and h_ctx.shape[1]:
+            cache.update_and_fetch(*self._project_kv(h_ctx, cache.offset))
+        anchor_pos = cache.offset
+        q = self.q_norm(self.q_proj(x).reshape(b, length, self.n_heads, self.head_dim))
+        q = self.rope(q.transpose(0, 2, 1, 3), anchor_pos)
+        k_block, v_block = self._project_kv(x, anchor_pos)
+        if anchor_pos and cache.keys is not None and cache.values is not None:
+            k = mx.concatenate([cache.keys[..., :anchor_pos, :], k_block], axis=2)
+            v = mx.concatenate([cache.values[..., :anchor_pos, :], v_block], axis=2)
+        else:
+            k, v = k_block, v_block
+        mask = block_mask(anchor_pos, length, self.causal, self.window)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, args: DrafterArgs, causal: bool, sliding: bool) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(args, causal, sliding)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, h: mx.array, h_ctx: mx.array | None, cache: KVCache) -> mx.array:
+        h = h + self.self_attn(self.input_layernorm(h), h_ctx, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, args: DrafterArgs) -> None:
+        super().__init__()
+        self.args = args
+        n_taps = len(args.target_layer_ids)
+        self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DrafterLayer(args, c, s) for c, s in zip(args.causal_layers, args.sliding_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # the target's embedding and head, borrowed by bind(); plain callables so they are
+        # not parameters of the drafter (never saved with it, never trained)
+        self._embed: Callable[[mx.array], mx.array] | None = None
+        self._head: Callable[[mx.array], mx.array] | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return tuple(self.args.target_layer_ids)
+
+    def bind(self, target: DecoderModel) -> "DFlashDrafter":
+        """Borrow the target's embedding and LM head, refusing a pair that cannot work."""
+        check_compatible(self.args, target)
+        self._embed, self._head = target.embed, target.logits
+        return self
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def hidden(self, block: mx.array, ctx_features: mx.array | None, cache: list[KVCache]) -> mx.array:
+        """Post-norm hidden states ``[b, L, H]`` of the block; new context rows enter the cache."""
+        if self._embed is None:
+            raise CheckpointError("the drafter is not bound to a target: call drafter.bind(target)")
+        h = self._embed(block) * self.args.input_embedding_scale
+        h_ctx = self.hidden_norm(self.fc(ctx_features)) if ctx_features is not None else None
+        for layer, layer_cache in zip(self.layers, cache):
+            h = layer(h, h_ctx, layer_cache)
+        return self.norm(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        assert self._head is not None
+        logits = self._head(hidden) * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def __call__(self, block: mx.array, ctx_features: mx.array | None, cache: list[KVCache]) -> mx.array:
+        """Draft logits for block rows 1.. (row 0, the anchor, predicts nothing)."""
+        return self.logits(self.hidden(block, ctx_features, cache)[:, 1:])
+
+
+def check_compatible(args: DrafterArgs, target: DecoderModel) -> None:
+    t = target.args
+    problems = []
+    if args.hidden_size != t.hidden_size:
+        problems.append(f"hidden size {args.hidden_size} != target's {t.hidden_size}")
+    if args.num_target_layers != t.num_hidden_layers:
+        problems.append(f"trained for a {args.num_target_layers}-layer target, this one has {t.num_hidden_layers}")
+    bad_taps = [i for i in args.target_layer_ids if not 0 <= i < t.num_hidden_layers]
+    if bad_taps:
+        problems.append(f"tap layer ids {bad_taps} outside the target's 0..{t.num_hidden_layers - 1}")
+    if not 0 <= args.mask_token_id < t.vocab_size:
+        problems.append(f"mask token id {args.mask_token_id} outside the target's embedding (0..{t.vocab_size - 1})")
+    if args.block_size < 2:
+        problems.append(f"block size {args.block_size} < 2 drafts nothing")
+    if problems:
+        raise CheckpointError(
+            "this drafter does not fit this target: " + "; ".join(problems)
+            + ". Use the drafter trained for this target (or train one: python -m runtime.train)"
+        )
