@@ -8,7 +8,8 @@ import pytest
 
 import runtime  # noqa: F401  (loads OpenBLAS before mlx)
 from runtime.defaults import default_model_path
-from runtime.loading import LoadedModel, load_target
+from runtime.loading import LoadedModel, load_drafter, load_target
+from runtime.models.dflash import DFlashDrafter
 
 from . import fixtures
 
@@ -28,6 +29,17 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_llama_dir: Path) -> LoadedModel:
     return load_target(tiny_llama_dir, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = fixtures.drafter_config(fixtures.tiny_config("llama"), block_size=16)
+    return fixtures.drafter_folder(tmp_path_factory.mktemp("drafter"), config, fixtures.drafter_weights(config))
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tiny_drafter_dir: Path, tiny_llama: LoadedModel) -> DFlashDrafter:
+    return load_drafter(tiny_drafter_dir, tiny_llama)
 
 
 @pytest.fixture(scope="session")

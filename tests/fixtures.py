@@ -50,8 +50,8 @@ def tiny_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def random_weights(config: dict[str, Any], seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
-    """float32 weights under HF names; norms near 1 so activations stay well scaled."""
+def random_weights(config: dict[str, Any], seed: int = 0, scale: float = 0.25) -> dict[str, np.ndarray]:
+    """float32 weights under HF names; the scale makes layers matter (greedy output varies)."""
     rng = np.random.default_rng(seed)
     h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd, nq, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -241,3 +241,52 @@ def _unpermuted_roundtrip(name: str, stored: np.ndarray, data: np.ndarray, qt: A
             rows = back.shape[0]
             back = back.reshape(n, rows // n // 2, 2, *back.shape[1:]).swapaxes(1, 2).reshape(back.shape)
     return back
+
+
+def drafter_config(target: dict[str, Any], layers: int = 2, block_size: int = 16,
+                   taps: list[int] | None = None, mask_token_id: int = 5) -> dict[str, Any]:
+    """A z-lab-format DFlash drafter config for ``target``."""
+    taps = taps if taps is not None else [1, target["num_hidden_layers"] - 2]
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": target["hidden_size"], "intermediate_size": 96, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rms_norm_eps": 1e-6, "rope_theta": target["rope_theta"], "vocab_size": target["vocab_size"],
+        "max_position_embeddings": target["max_position_embeddings"], "block_size": block_size,
+        "num_target_layers": target["num_hidden_layers"],
+        "dflash_config": {"target_layer_ids": taps, "mask_token_id": mask_token_id, "block_size": block_size},
+    }
+
+
+def drafter_weights(config: dict[str, Any], seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    h, f = config["hidden_size"], config["intermediate_size"]
+    hd, nq, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    n_taps = len(config["dflash_config"]["target_layer_ids"])
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"fc.weight": mat(h, n_taps * h), "hidden_norm.weight": norm(h), "norm.weight": norm(h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        w.update({
+            p + "self_attn.q_proj.weight": mat(nq * hd, h), p + "self_attn.k_proj.weight": mat(nkv * hd, h),
+            p + "self_attn.v_proj.weight": mat(nkv * hd, h), p + "self_attn.o_proj.weight": mat(h, nq * hd),
+            p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
+            p + "mlp.gate_proj.weight": mat(f, h), p + "mlp.up_proj.weight": mat(f, h),
+            p + "mlp.down_proj.weight": mat(h, f),
+            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+        })
+    return w
+
+
+def drafter_folder(folder: Path, config: dict[str, Any], weights: dict[str, np.ndarray]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        {k: mx.array(v).astype(mx.bfloat16) for k, v in weights.items()})
+    return folder

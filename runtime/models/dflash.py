@@ -140,28 +140,61 @@ class DrafterAttention(nn.Module):
         self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         self.rope = RoPE(hd, args.rope_theta, args.rope_scaling)
 
-    def _project_kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+    def _rope_blocks(self, x: mx.array, anchors: int | mx.array, n_blocks: int) -> mx.array:
+        """RoPE on ``[b, heads, n_blocks*B, D]``: block j's row i sits at ``anchors[j] + i``.
+
+        Each block becomes its own batch row so one rope call with per-row offsets places
+        every block at its anchor; ``anchors`` is an int (one block) or ``[b * n_blocks]``.
+        """
+        if n_blocks == 1:  # the decode loop's case: no regrouping needed
+            return self.rope(x, anchors)
+        b, heads, length, d = x.shape
+        block = length // n_blocks
+        rows = x.reshape(b, heads, n_blocks, block, d).transpose(0, 2, 1, 3, 4).reshape(b * n_blocks, heads, block, d)
+        roped = self.rope(rows, anchors)
+        return roped.reshape(b, n_blocks, heads, block, d).transpose(0, 2, 1, 3, 4).reshape(b, heads, length, d)
+
+    def _keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Normed keys (before RoPE) and values ``[b, kv_heads, L, D]``: shared by ctx and block."""
         b, length, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
-        return self.rope(k.transpose(0, 2, 1, 3), offset), v.transpose(0, 2, 1, 3)
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, h_ctx: mx.array | None, cache: KVCache) -> mx.array:
+    def context_kv(self, h_ctx: mx.array, first_position: int) -> tuple[mx.array, mx.array]:
+        """Context keys (RoPE at their tokens' positions, from ``first_position``) and values."""
+        k, v = self._keys_values(h_ctx)
+        return self.rope(k, first_position), v
+
+    def attend_blocks(
+        self, x: mx.array, anchors: int | mx.array, ctx_kv: tuple[mx.array, mx.array] | None,
+        mask: mx.array | None,
+    ) -> mx.array:
+        """Block queries over keys ``[ctx ; every block]``, blocks laid end to end in ``x``.
+
+        Inference passes one block and its anchor position (an int); training passes many
+        blocks, ``anchors`` ``[b * n_blocks]``, and a mask that keeps each block to its own
+        context and itself. Both run this same projection, norm, RoPE and attention.
+        """
         b, length, _ = x.shape
-        if h_ctx is not None and h_ctx.shape[1]:
-            cache.update_and_fetch(*self._project_kv(h_ctx, cache.offset))
-        anchor_pos = cache.offset
-        q = self.q_norm(self.q_proj(x).reshape(b, length, self.n_heads, self.head_dim))
-        q = self.rope(q.transpose(0, 2, 1, 3), anchor_pos)
-        k_block, v_block = self._project_kv(x, anchor_pos)
-        if anchor_pos and cache.keys is not None and cache.values is not None:
-            k = mx.concatenate([cache.keys[..., :anchor_pos, :], k_block], axis=2)
-            v = mx.concatenate([cache.values[..., :anchor_pos, :], v_block], axis=2)
-        else:
-            k, v = k_block, v_block
-        mask = block_mask(anchor_pos, length, self.causal, self.window)
+        n_blocks = 1 if isinstance(anchors, int) else anchors.size // b
+        q = self.q_norm(self.q_proj(x).reshape(b, length, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        k, v = self._keys_values(x)
+        q, k = self._rope_blocks(q, anchors, n_blocks), self._rope_blocks(k, anchors, n_blocks)
+        if ctx_kv is not None:
+            k, v = mx.concatenate([ctx_kv[0], k], axis=2), mx.concatenate([ctx_kv[1], v], axis=2)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    def __call__(self, x: mx.array, h_ctx: mx.array | None, cache: KVCache) -> mx.array:
+        if h_ctx is not None and h_ctx.shape[1]:
+            cache.update_and_fetch(*self.context_kv(h_ctx, cache.offset))
+        anchor_pos = cache.offset
+        ctx_kv = None
+        if anchor_pos and cache.keys is not None and cache.values is not None:
+            ctx_kv = (cache.keys[..., :anchor_pos, :], cache.values[..., :anchor_pos, :])
+        mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window)
+        return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
 
 
 class DrafterLayer(nn.Module):
@@ -172,9 +205,17 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, h: mx.array, h_ctx: mx.array | None, cache: KVCache) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), h_ctx, cache)
+    def _residual(self, h: mx.array, attend: Callable[[mx.array], mx.array]) -> mx.array:
+        h = h + attend(self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def __call__(self, h: mx.array, h_ctx: mx.array | None, cache: KVCache) -> mx.array:
+        return self._residual(h, lambda x: self.self_attn(x, h_ctx, cache))
+
+    def forward_blocks(self, h: mx.array, h_ctx: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+        """Training: many blocks over one whole context (positions from 0), kept apart by ``mask``."""
+        attn = self.self_attn
+        return self._residual(h, lambda x: attn.attend_blocks(x, anchors, attn.context_kv(h_ctx, 0), mask))
 
 
 class DFlashDrafter(nn.Module):
@@ -210,13 +251,36 @@ class DFlashDrafter(nn.Module):
 
     def hidden(self, block: mx.array, ctx_features: mx.array | None, cache: list[KVCache]) -> mx.array:
         """Post-norm hidden states ``[b, L, H]`` of the block; new context rows enter the cache."""
-        if self._embed is None:
-            raise CheckpointError("the drafter is not bound to a target: call drafter.bind(target)")
-        h = self._embed(block) * self.args.input_embedding_scale
+        h = self._embed_block(block)
         h_ctx = self.hidden_norm(self.fc(ctx_features)) if ctx_features is not None else None
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, h_ctx, layer_cache)
         return self.norm(h)
+
+    def training_hidden(self, blocks: mx.array, anchors: mx.array, ctx_features: mx.array, mask: mx.array) -> mx.array:
+        """Post-norm hidden ``[b, n*B, H]`` of n blocks per sequence, all in one forward.
+
+        ``blocks [b, n*B]`` are the blocks end to end, ``anchors [b, n]`` their anchor
+        positions, ``ctx_features [b, T, n_taps*H]`` the target taps of whole sequences
+        (row t at position t) and ``mask [b, 1, n*B, T + n*B]`` what each block query may
+        see (runtime.training.batches.training_mask). The layers' own attention runs, so
+        a block at anchor a gets what ``hidden`` gives with context ``taps[:a]``.
+        """
+        if any(self.args.causal_layers) or any(self.args.sliding_layers):
+            raise UnsupportedArchitectureError(
+                "training supports full-attention drafter layers only (no causal or sliding layers): "
+                "drop layer_types/is_causal from the drafter config"
+            )
+        h = self._embed_block(blocks)
+        h_ctx = self.hidden_norm(self.fc(ctx_features))
+        for layer in self.layers:
+            h = layer.forward_blocks(h, h_ctx, anchors.reshape(-1), mask)
+        return self.norm(h)
+
+    def _embed_block(self, tokens: mx.array) -> mx.array:
+        if self._embed is None:
+            raise CheckpointError("the drafter is not bound to a target: call drafter.bind(target)")
+        return self._embed(tokens) * self.args.input_embedding_scale
 
     def logits(self, hidden: mx.array) -> mx.array:
         assert self._head is not None

@@ -1,0 +1,63 @@
+"""Deciding how much of a drafted block the target accepts: all on the device.
+
+Each function returns lazy arrays, so a pipelined caller can build the next round's
+input from the verdict before the host has seen it. Greedy: accept while the draft
+equals the target's argmax. Sampling (lossless, DFLASH.md section 3, argmax proposals
+with a one-hot q): accept draft d_i with probability p_i(d_i); at the first rejection
+draw from p_i with d_i removed and renormalised; after a full accept draw the bonus from
+the last row. Both keep the committed tokens distributed exactly as the target's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from protocol import GenerationParams
+
+from .sampling import Sampler, is_greedy, probabilities
+
+
+class Verdict(NamedTuple):
+    """``accepted`` drafts (a scalar), the ``bonus`` token, and the target's per-position tokens."""
+
+    accepted: mx.array
+    bonus: mx.array
+    target_tokens: mx.array  # [n+1]: greedy argmax everywhere; sampled: valid up to accepted
+
+
+def accepted_prefix(matches: mx.array) -> mx.array:
+    """Length of the leading run of True."""
+    if matches.size == 0:
+        return mx.array(0, dtype=mx.int32)
+    return mx.cumprod(matches.astype(mx.int32)).sum()
+
+
+def greedy_verdict(drafts: mx.array, logits: mx.array) -> Verdict:
+    """``drafts [n]`` against the target's ``logits [n+1, V]`` for ``[anchor] + drafts``."""
+    target_tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+    accepted = accepted_prefix(drafts == target_tokens[:-1])
+    return Verdict(accepted, target_tokens[accepted], target_tokens)
+
+
+def sampled_verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sampler: Sampler) -> Verdict:
+    probs = probabilities(logits, params)
+    n, vocab = drafts.shape[0], probs.shape[-1]
+    if n:
+        p_of_draft = mx.take_along_axis(probs[:-1], drafts[:, None], axis=-1)[:, 0]
+        accepted = accepted_prefix(sampler.uniform((n,)) < p_of_draft)
+    else:
+        accepted = mx.array(0, dtype=mx.int32)
+    padded = mx.concatenate([drafts.astype(mx.int32), mx.array([-1], dtype=mx.int32)])
+    rejected = padded[accepted]  # -1 after a full accept: nothing to remove
+    row = mx.where(mx.arange(vocab) == rejected, 0.0, probs[accepted])
+    bonus = sampler.draw(row / row.sum()).astype(mx.int32)
+    target_tokens = mx.where(mx.arange(n + 1) < accepted, padded, bonus)
+    return Verdict(accepted, bonus, target_tokens)
+
+
+def verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sampler: Sampler) -> Verdict:
+    if is_greedy(params):
+        return greedy_verdict(drafts, logits)
+    return sampled_verdict(drafts, logits, params, sampler)

@@ -1,0 +1,169 @@
+"""DFlash speculative decoding for one request: the sequential reference loop.
+
+Per round (DFLASH.md section 2): the drafter proposes ``B-1`` tokens for the block
+``[anchor, MASK...]``, the target verifies ``[anchor] + drafts`` in one forward, the
+verdict accepts a prefix of ``a`` drafts plus the target's bonus token, the target KV
+drops the ``B-a-1`` rejected positions and the drafter receives the ``a+1`` accepted
+feature rows as new context. The host syncs once per round here; the actor pipeline
+(actors/) runs the same steps without waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from protocol import GenerationParams
+
+from .acceptance import Verdict, verdict
+from .cache import KVCache, cache_length, trim_caches
+from .errors import RequestError
+from .invariants import RoundAuditor, RoundFacts
+from .models import DecoderModel
+from .models.dflash import DFlashDrafter
+from .plain import check_context
+from .sampling import Sampler, check_params, is_greedy
+from .stopping import Emission, TextStream
+from .tokenizer import Tokenizer
+
+
+def block_size_for(drafter: DFlashDrafter, params: GenerationParams) -> int:
+    """The request's block size: its own choice up to the drafter's trained size."""
+    size = params.block_size or drafter.block_size
+    if size > drafter.block_size:
+        raise RequestError("block_size", f"{size} exceeds the drafter's trained block size {drafter.block_size}")
+    return size
+
+
+@dataclass
+class RequestState:
+    """Everything one request keeps on the device between rounds."""
+
+    target_cache: list[KVCache]
+    drafter_cache: list[KVCache]
+    pending_ctx: mx.array  # [1, rows, n_taps*H]: accepted features not yet in the drafter cache
+    anchor: int
+    committed: int  # prompt + generated tokens
+
+    @property
+    def target_kv(self) -> int:
+        return cache_length(self.target_cache)
+
+    @property
+    def drafter_ctx(self) -> int:
+        return cache_length(self.drafter_cache)
+
+
+@dataclass
+class RoundOutcome:
+    facts: RoundFacts
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class SpeculativeDecoder:
+    """Prefill and rounds for one request over a bound target/drafter pair."""
+
+    def __init__(self, target: DecoderModel, drafter: DFlashDrafter, params: GenerationParams) -> None:
+        self.target, self.drafter, self.params = target, drafter, params
+        self.sampler = Sampler(params)
+        self.block = block_size_for(drafter, params)
+        self.auditor: RoundAuditor | None = None
+
+    def prefill(self, prompt_ids: Sequence[int]) -> tuple[RequestState, int]:
+        cache = self.target.make_cache()
+        out = self.target(mx.array([list(prompt_ids)]), cache, tap_layers=self.drafter.tap_layers, last_only=True)
+        first = self.sampler.sample(out.logits[:, -1])
+        assert out.taps is not None
+        mx.eval(first, out.taps)
+        token = int(first.item())
+        state = RequestState(cache, self.drafter.make_cache(), out.taps, token, len(prompt_ids) + 1)
+        self.auditor = RoundAuditor(len(prompt_ids), len(self.drafter.tap_layers), self.target.args.hidden_size)
+        return state, token
+
+    def draft(self, state: RequestState, block: int) -> mx.array:
+        """``block-1`` drafted tokens; the pending context enters the drafter cache."""
+        tokens = mx.array([[state.anchor] + [self.drafter.args.mask_token_id] * (block - 1)])
+        hidden = self.drafter.hidden(tokens, state.pending_ctx, state.drafter_cache)
+        if block == 1:
+            return mx.zeros((0,), dtype=mx.int32)
+        return mx.argmax(self.drafter.logits(hidden[:, 1:]), axis=-1)[0].astype(mx.int32)
+
+    def verify(self, state: RequestState, drafts: mx.array) -> tuple[Verdict, mx.array]:
+        tokens = mx.concatenate([mx.array([state.anchor], dtype=mx.int32), drafts])[None]
+        out = self.target(tokens, state.target_cache, tap_layers=self.drafter.tap_layers)
+        assert out.taps is not None
+        return verdict(drafts, out.logits[0], self.params, self.sampler), out.taps
+
+    def round(self, state: RequestState, index: int, remaining: int) -> RoundOutcome:
+        """One sequential round; ``remaining`` caps the block so nothing past max_tokens is computed."""
+        block = max(1, min(self.block, remaining))
+        kv_before, ctx_before, committed_before = state.target_kv, state.drafter_ctx, state.committed
+        t0 = time.perf_counter()
+        drafts = self.draft(state, block)
+        mx.eval(drafts)
+        t1 = time.perf_counter()
+        result, taps = self.verify(state, drafts)
+        mx.eval(result.accepted, result.bonus, result.target_tokens, taps)
+        t2 = time.perf_counter()
+        a = int(result.accepted.item())
+        draft_list = drafts.tolist()
+        committed = draft_list[:a] + [int(result.bonus.item())]
+        trim_caches(state.target_cache, block - a - 1)
+        state.pending_ctx = taps[:, : a + 1]
+        state.anchor = committed[-1]
+        state.committed += len(committed)
+        facts = RoundFacts(
+            round=index, anchor_pos=kv_before, block_size=block, drafts=draft_list,
+            target_tokens=result.target_tokens.tolist()[: len(draft_list) + 1], accepted=a,
+            committed=committed, committed_before=committed_before, target_kv_before=kv_before,
+            target_kv_after=state.target_kv, drafter_ctx_before=ctx_before,
+            drafter_ctx_after=state.drafter_ctx, new_ctx_rows=int(state.pending_ctx.shape[1]),
+            tap_shape=tuple(taps.shape[1:]), greedy=is_greedy(self.params),
+        )
+        assert self.auditor is not None, "prefill() first"
+        self.auditor.check(facts)
+        t3 = time.perf_counter()
+        return RoundOutcome(facts, {"draft_s": t1 - t0, "verify_s": t2 - t1, "host_s": t3 - t2})
+
+
+@dataclass
+class SpeculativeStats:
+    rounds: list[RoundOutcome] = field(default_factory=list)
+
+    def summary(self, block: int) -> dict[str, object]:
+        accepted = [r.facts.accepted for r in self.rounds]
+        n = len(accepted)
+        per_position = [sum(a >= k for a in accepted) / n if n else 0.0 for k in range(1, block)]
+        return {
+            "rounds": n,
+            "tau": (sum(a + 1 for a in accepted) / n) if n else 0.0,
+            "acceptance_per_position": [round(x, 4) for x in per_position],
+        }
+
+
+def generate_speculative(
+    target: DecoderModel, drafter: DFlashDrafter, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+    params: GenerationParams, stats: SpeculativeStats | None = None,
+    on_round: Callable[[RoundOutcome], None] | None = None,
+) -> Iterator[Emission]:
+    """Stream emissions of DFlash decoding until EOS, a stop string or max_tokens."""
+    check_params(params)
+    check_context(target, len(prompt_ids), params.max_tokens)
+    decoder = SpeculativeDecoder(target, drafter, params)
+    stream = TextStream(tokenizer, params.max_tokens, params.stop)
+    state, first = decoder.prefill(prompt_ids)
+    emission = stream.push([first])
+    yield emission
+    index = 0
+    while emission.finish_reason is None:
+        outcome = decoder.round(state, index, stream.remaining)
+        if stats is not None:
+            stats.rounds.append(outcome)
+        if on_round is not None:
+            on_round(outcome)
+        emission = stream.push(outcome.facts.committed)
+        yield emission
+        index += 1
