@@ -42,11 +42,83 @@ class KVCache:
         self.offset = end
         return self.keys[..., :end, :], self.values[..., :end, :]
 
+    def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, str | None]:
+        """Append, and return what causal attention over the valid keys needs."""
+        k, v = self.update_and_fetch(keys, values)
+        return k, v, "causal" if keys.shape[2] > 1 else None
+
     def trim(self, n: int) -> int:
         """Forget the last ``n`` positions; returns how many were actually dropped."""
         n = max(0, min(n, self.offset))
         self.offset -= n
         return n
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class DeviceKVCache:
+    """A cache whose valid length lives on the device, for pipelined rounds.
+
+    The host cannot know how many drafts round N accepted until round N+1 is already
+    queued, so the write position (``length``) is a device scalar: each append writes at
+    ``length`` with ``slice_update`` and attention masks keys at or past the valid end.
+    ``bound`` is the host's upper bound on ``length`` (every write could be kept); it sizes
+    the buffer and the key slice, and ``settle`` tightens it once the true length is read.
+    """
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.length = mx.array(0, dtype=mx.int32)
+        self.bound = 0
+        self._unsettled: list[int] = []  # sizes of writes the host has not seen resolved
+
+    @property
+    def offset(self) -> mx.array:
+        return self.length
+
+    def _ensure_capacity(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        if self.keys is not None and needed <= self.keys.shape[2]:
+            return
+        b, h, _, kd = keys.shape
+        capacity = ((needed + GROWTH_STEP - 1) // GROWTH_STEP) * GROWTH_STEP
+        grow_k = mx.zeros((b, h, capacity - (0 if self.keys is None else self.keys.shape[2]), kd), keys.dtype)
+        grow_v = mx.zeros((b, h, grow_k.shape[2], values.shape[3]), values.dtype)
+        self.keys = grow_k if self.keys is None else mx.concatenate([self.keys, grow_k], axis=2)
+        self.values = grow_v if self.values is None else mx.concatenate([self.values, grow_v], axis=2)
+
+    def write(self, keys: mx.array, values: mx.array) -> int:
+        """Write ``keys/values [B, H, L, D]`` at the device length; returns the key extent."""
+        length = keys.shape[2]
+        end = self.bound + length
+        self._ensure_capacity(keys, values, end)
+        start = self.length.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys, start_indices=start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, start_indices=start, axes=(2,))
+        self._unsettled.append(length)
+        self.bound = end
+        return end
+
+    def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Write at ``length``; causal mask over keys ``[0, bound)``, valid ones only."""
+        end = self.write(keys, values)
+        query_pos = self.length + mx.arange(keys.shape[2])
+        mask = mx.arange(end)[None, :] <= query_pos[:, None]
+        assert self.keys is not None and self.values is not None
+        return self.keys[..., :end, :], self.values[..., :end, :], mask
+
+    def advance(self, n: mx.array | int) -> None:
+        """Keep ``n`` of the positions written last (lazy): the rest lie past the valid end."""
+        self.length = (self.length + n).astype(mx.int32)
+
+    def settle(self, length: int) -> None:
+        """The host has read the length after the oldest unsettled write: tighten the bound."""
+        self._unsettled.pop(0)
+        self.bound = length + sum(self._unsettled)
 
     @property
     def nbytes(self) -> int:

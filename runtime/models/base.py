@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache
+from ..cache import DeviceKVCache, KVCache
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Attention(nn.Module):
         b, length, _ = x.shape
         return x.reshape(b, length, n, self.head_dim)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache | None) -> mx.array:
         b, length, _ = x.shape
         q = self._heads(self.q_proj(x), self.n_heads)
         k = self._heads(self.k_proj(x), self.n_kv_heads)
@@ -122,9 +122,9 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
+        mask: mx.array | str | None = "causal" if length > 1 else None
         if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        mask = "causal" if length > 1 else None
+            k, v, mask = cache.update_with_mask(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
@@ -150,7 +150,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -191,7 +191,7 @@ class DecoderModel(nn.Module):
     def __call__(
         self,
         tokens: mx.array,
-        cache: Sequence[KVCache] | None = None,
+        cache: Sequence[KVCache] | Sequence[DeviceKVCache] | None = None,
         tap_layers: Sequence[int] = (),
         last_only: bool = False,
     ) -> ForwardOutput:
@@ -214,4 +214,8 @@ class DecoderModel(nn.Module):
         return ForwardOutput(logits, taps)
 
     def make_cache(self, batch_size: int = 1) -> list[KVCache]:
+        """Per-layer caches; the batch axis comes from the first write (any ``batch_size``)."""
         return [KVCache() for _ in range(self.num_layers)]
+
+    def make_device_cache(self) -> list[DeviceKVCache]:
+        return [DeviceKVCache() for _ in range(self.num_layers)]
