@@ -21,7 +21,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache
+from ..cache import DeviceKVCache, KVCache
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from .base import MLP, DecoderModel, RoPE
 
@@ -109,13 +109,22 @@ def drafter_args(config: dict[str, Any]) -> DrafterArgs:
         raise CheckpointError(f"drafter config.json lacks the field {exc.args[0]!r}") from None
 
 
-def block_mask(ctx_len: int, block_len: int, causal: bool, window: int | None) -> mx.array | None:
-    """Which keys ``[ctx ; block]`` each block query may see; None means all of them."""
-    if not causal and window is None:
+def block_mask(ctx_len: int | mx.array, block_len: int, causal: bool, window: int | None,
+               ctx_extent: int | None = None) -> mx.array | None:
+    """Which keys ``[ctx ; block]`` each block query may see; None means all of them.
+
+    ``ctx_len`` may be a device scalar (pipelined rounds): the context keys then span
+    ``ctx_extent`` buffer rows, of which those at or past ``ctx_len`` are not yet valid.
+    """
+    extent = ctx_len if ctx_extent is None else ctx_extent
+    if isinstance(ctx_len, int) and extent == ctx_len and not causal and window is None:
         return None
-    key_pos = mx.arange(ctx_len + block_len)[None, :]
+    assert isinstance(extent, int)
+    ctx_rows = mx.arange(extent)
+    key_pos = mx.concatenate([ctx_rows, ctx_len + mx.arange(block_len)])[None, :]
+    valid = mx.concatenate([ctx_rows < ctx_len, mx.ones((block_len,), dtype=mx.bool_)])[None, :]
     query_pos = (ctx_len + mx.arange(block_len))[:, None]
-    allowed = mx.ones((block_len, ctx_len + block_len), dtype=mx.bool_)
+    allowed = mx.broadcast_to(valid, (block_len, extent + block_len))
     if causal:
         allowed = allowed & (key_pos <= query_pos)
     if window is not None:
@@ -186,7 +195,10 @@ class DrafterAttention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
-    def __call__(self, x: mx.array, h_ctx: mx.array | None, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, h_ctx: mx.array | None, cache: KVCache | DeviceKVCache,
+                 keep: mx.array | None = None) -> mx.array:
+        if isinstance(cache, DeviceKVCache):
+            return self._call_device_cache(x, h_ctx, cache, keep)
         if h_ctx is not None and h_ctx.shape[1]:
             cache.update_and_fetch(*self.context_kv(h_ctx, cache.offset))
         anchor_pos = cache.offset
@@ -194,6 +206,19 @@ class DrafterAttention(nn.Module):
         if anchor_pos and cache.keys is not None and cache.values is not None:
             ctx_kv = (cache.keys[..., :anchor_pos, :], cache.values[..., :anchor_pos, :])
         mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window)
+        return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
+
+    def _call_device_cache(self, x: mx.array, h_ctx: mx.array | None, cache: DeviceKVCache,
+                           keep: mx.array | None) -> mx.array:
+        """Pipelined rounds: all new rows are written, only ``keep`` of them become valid."""
+        if h_ctx is not None and h_ctx.shape[1]:
+            cache.write(*self.context_kv(h_ctx, cache.length))
+            cache.advance(keep if keep is not None else h_ctx.shape[1])
+        anchor_pos, extent = cache.length, cache.bound
+        ctx_kv = None
+        if extent and cache.keys is not None and cache.values is not None:
+            ctx_kv = (cache.keys[..., :extent, :], cache.values[..., :extent, :])
+        mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window, ctx_extent=extent)
         return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
 
 
@@ -209,8 +234,9 @@ class DrafterLayer(nn.Module):
         h = h + attend(self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def __call__(self, h: mx.array, h_ctx: mx.array | None, cache: KVCache) -> mx.array:
-        return self._residual(h, lambda x: self.self_attn(x, h_ctx, cache))
+    def __call__(self, h: mx.array, h_ctx: mx.array | None, cache: KVCache | DeviceKVCache,
+                 keep: mx.array | None = None) -> mx.array:
+        return self._residual(h, lambda x: self.self_attn(x, h_ctx, cache, keep))
 
     def forward_blocks(self, h: mx.array, h_ctx: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
         """Training: many blocks over one whole context (positions from 0), kept apart by ``mask``."""
@@ -249,12 +275,20 @@ class DFlashDrafter(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
-    def hidden(self, block: mx.array, ctx_features: mx.array | None, cache: list[KVCache]) -> mx.array:
-        """Post-norm hidden states ``[b, L, H]`` of the block; new context rows enter the cache."""
+    def make_device_cache(self) -> list[DeviceKVCache]:
+        return [DeviceKVCache() for _ in self.layers]
+
+    def hidden(self, block: mx.array, ctx_features: mx.array | None, cache: list[KVCache] | list[DeviceKVCache],
+               keep: mx.array | None = None) -> mx.array:
+        """Post-norm hidden states ``[b, L, H]`` of the block; new context rows enter the cache.
+
+        With device caches, ``keep`` (a device scalar) says how many leading context rows
+        are real: the verifier's accepted count, not yet known to the host.
+        """
         h = self._embed_block(block)
         h_ctx = self.hidden_norm(self.fc(ctx_features)) if ctx_features is not None else None
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, h_ctx, layer_cache)
+            h = layer(h, h_ctx, layer_cache, keep)
         return self.norm(h)
 
     def training_hidden(self, blocks: mx.array, anchors: mx.array, ctx_features: mx.array, mask: mx.array) -> mx.array:

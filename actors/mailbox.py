@@ -1,0 +1,48 @@
+"""What every actor shares: an inbox loop that isolates failures to their request."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from protocol import ActorMessage, Failed
+
+INBOX_SIZE = 256  # bounded: a flood of requests applies backpressure to their senders
+
+
+def make_inbox() -> tuple[ObjectSendStream[ActorMessage], ObjectReceiveStream[ActorMessage]]:
+    return anyio.create_memory_object_stream[ActorMessage](INBOX_SIZE)
+
+
+class Actor:
+    """Reads its inbox until it closes; ``handle`` errors become ``Failed`` for that request."""
+
+    name = "actor"
+
+    def __init__(self, inbox: ObjectReceiveStream[ActorMessage]) -> None:
+        self.inbox = inbox
+        self.failures: ObjectSendStream[ActorMessage] | None = None  # where Failed goes (the committer)
+
+    async def run(self) -> None:
+        async with self.inbox:
+            async for message in self.inbox:
+                try:
+                    await self.handle(message)
+                except Exception as exc:  # noqa: BLE001  (isolate: one request fails, the actor lives)
+                    self.forget(message.request_id)
+                    await self.report_failure(message.request_id, exc)
+
+    async def handle(self, message: Any) -> None:
+        raise NotImplementedError
+
+    def forget(self, request_id: str) -> None:
+        """Drop every piece of state this actor holds for the request."""
+
+    async def report_failure(self, request_id: str, exc: Exception) -> None:
+        if self.failures is None:
+            raise exc
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        await self.failures.send(Failed(request_id=request_id, error=f"{self.name}: {detail}", kind=type(exc).__name__))

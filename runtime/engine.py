@@ -1,0 +1,176 @@
+"""The embedded async API: an engine that wires the drafter, verifier and committer actors.
+
+    async with Engine.load() as engine:
+        async for event in engine.generate("What is 2+2?", GenerationParams(max_tokens=32)):
+            print(event.text, end="")
+
+Works under asyncio and trio (anyio). Many generations may run at once; leaving the
+``async for`` or cancelling its scope ends the request and frees its device state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+import anyio
+from anyio.abc import ObjectSendStream, TaskGroup
+
+from actors import Committer, Drafter, Verifier
+from actors.mailbox import make_inbox
+from protocol import ActorMessage, Admit, Cancel, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
+
+from .defaults import default_model_path
+from .drafters import resolve_drafter
+from .loading import LoadedModel, load_target
+from .logs import RunLog
+from .models.dflash import DFlashDrafter
+from .speculative import block_size_for
+
+MODES = {"pipelined": 1, "sequential": 0}  # rounds drafted ahead of the committer
+
+
+@dataclass
+class EngineStats:
+    live_requests: int
+    cache_bytes: int
+    discarded_rounds: int
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, drafter: DFlashDrafter, *, mode: str = "pipelined",
+                 log: str | Path | None = None, drafter_identity: ModelIdentity | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        self.target, self.drafter, self.mode = target, drafter, mode
+        self.log = RunLog(log) if log else None
+        self._drafter_identity = drafter_identity
+        self._target_identity: ModelIdentity | None = None
+        self._ids = itertools.count()
+        self._task_group: TaskGroup | None = None
+        self._inboxes: dict[str, ObjectSendStream[ActorMessage]] = {}
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, draft: str | Path | None = None, *, mode: str = "pipelined",
+             log: str | Path | None = None, dtype: str = "auto") -> "Engine":
+        """Load the target (default SmolLM2-135M-Instruct) and the drafter (default: bundled)."""
+        target = load_target(model or default_model_path(), dtype=dtype)
+        drafter = resolve_drafter(str(draft) if draft is not None else None, target)
+        identity = None
+        if draft is not None and not str(draft).startswith("random:"):
+            path = Path(draft)
+            identity = ModelIdentity(path.name, str(path), "dflash", _hash_folder(path))
+        return cls(target, drafter, mode=mode, log=log, drafter_identity=identity)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "Engine":
+        drafter_send, drafter_recv = make_inbox()
+        verifier_send, verifier_recv = make_inbox()
+        committer_send, committer_recv = make_inbox()
+        model = self.target.model
+        self.verifier = Verifier(model, self.drafter.tap_layers, verifier_recv)
+        self.drafter_actor = Drafter(self.drafter, drafter_recv, MODES[self.mode])
+        self.committer = Committer(self.target.tokenizer, len(self.drafter.tap_layers), model.args.hidden_size,
+                                   committer_recv, log=self.log.write if self.log else None)
+        self.verifier.committer, self.verifier.drafter_inbox, self.verifier.drafter = committer_send, drafter_send, self.drafter_actor
+        self.drafter_actor.verifier_inbox, self.drafter_actor.verifier = verifier_send, self.verifier
+        self.committer.acks = [drafter_send, verifier_send]
+        self.committer.verifier, self.committer.drafter = self.verifier, self.drafter_actor
+        for actor in (self.verifier, self.drafter_actor):
+            actor.failures = committer_send
+        self._inboxes = {"drafter": drafter_send, "verifier": verifier_send, "committer": committer_send}
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        for actor in (self.drafter_actor, self.verifier, self.committer):
+            self._task_group.start_soon(actor.run)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        """Cancel what is still running, let the actors settle, then stop them."""
+        assert self._task_group is not None
+        for request_id in list(self.committer.requests):
+            await self.cancel(request_id)
+        await self._quiesce()
+        self._task_group.cancel_scope.cancel()
+        result = await self._task_group.__aexit__(*exc_info)
+        if self.log:
+            self.log.close()
+        return result
+
+    async def _quiesce(self) -> None:
+        """Wait until every inbox is empty: all messages sent so far have been handled."""
+        while any(inbox.statistics().current_buffer_used for inbox in self._inboxes.values()):
+            await anyio.sleep(0)
+        await anyio.sleep(0)
+
+    # ------------------------------------------------------------------ the API
+
+    def encode(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int]) -> list[int]:
+        """Text (raw), chat messages (templated) or token ids, to prompt token ids."""
+        tok = self.target.tokenizer
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        items = list(prompt)
+        if items and isinstance(items[0], dict):
+            return tok.encode(tok.apply_chat_template(items), add_special_tokens=False)  # type: ignore[arg-type]
+        return [int(t) for t in items]  # type: ignore[arg-type]
+
+    async def generate(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int],
+                       params: GenerationParams | None = None) -> AsyncIterator[TokenEvent]:
+        """Stream token events; the last one has ``finish_reason`` (and usage, timings, stats)."""
+        params = params or GenerationParams()
+        request_id = f"req-{next(self._ids)}"
+        admit = Admit(request_id=request_id, prompt_ids=self.encode(prompt), params=params)
+        send, receive = anyio.create_memory_object_stream[TokenEvent](params.max_tokens + 8)
+        self.committer.register(request_id, admit, send)
+        self._log_request(admit)
+        finished = False
+        try:
+            await self._inboxes["drafter"].send(admit)
+            await self._inboxes["verifier"].send(admit)
+            async with receive:
+                async for event in receive:
+                    finished = event.finish_reason is not None
+                    yield event
+                    if finished:
+                        return
+        finally:
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    await self.cancel(request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        """End a request now; its state is dropped by every actor."""
+        for inbox in self._inboxes.values():
+            await inbox.send(Cancel(request_id=request_id))
+
+    async def stats(self) -> EngineStats:
+        """Live requests and cache bytes, once the actors have handled what is in flight."""
+        await self._quiesce()
+        live = set(self.verifier.requests) | set(self.drafter_actor.requests) | set(self.committer.requests)
+        return EngineStats(len(live), self.verifier.cache_bytes + self.drafter_actor.cache_bytes,
+                           self.committer.discarded_rounds)
+
+    def _log_request(self, admit: Admit) -> None:
+        if self.log is None:
+            return
+        if self._target_identity is None:
+            t = self.target
+            self._target_identity = ModelIdentity(t.name, str(t.source), t.format, t.content_hash())
+        params = admit.params
+        self.log.write(RequestRecord(
+            request_id=admit.request_id, time=time.time(), target=self._target_identity,
+            drafter=self._drafter_identity, params=params, seed=params.seed if params.seed is not None else -1,
+            prompt_ids=admit.prompt_ids, mode=self.mode, block_size=block_size_for(self.drafter, params),
+            n_taps=len(self.drafter.tap_layers), hidden_size=self.target.model.args.hidden_size,
+        ))
+
+
+def _hash_folder(path: Path) -> str:
+    from .loading import hash_files
+
+    return hash_files(p for p in path.iterdir() if p.is_file())
