@@ -17,7 +17,7 @@ import anyio
 import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from protocol import (ActorMessage, Admit, Cancel, Failed, FinishRecord, Prefilled, RoundAck, RoundRecord,
+from protocol import (ActorMessage, Admit, Failed, FinishRecord, Prefilled, RoundAck, RoundRecord,
                       TokenEvent, Usage, Verified)
 from runtime.invariants import InvariantError, RoundAuditor, RoundFacts
 from runtime.sampling import is_greedy
@@ -76,8 +76,23 @@ class Committer(Actor):
         request = self.requests.pop(request_id, None)
         if request is not None:
             if last is not None:
-                request.events.send_nowait(last)
+                self._deliver(request, last)
             request.events.close()
+
+    @staticmethod
+    def _deliver(request: CommitterRequest, event: TokenEvent) -> bool:
+        """Hand an event to the caller; False if the caller is gone (it cancelled)."""
+        try:
+            request.events.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
+
+    async def report_failure(self, request_id: str, exc: Exception) -> None:
+        """A failure while committing ends that request with an error event, nothing else."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            await self._finish(request_id, request, "error", error=f"committer: {type(exc).__name__}: {exc}")
 
     async def handle(self, message: ActorMessage) -> None:
         request = self.requests.get(message.request_id)
@@ -91,8 +106,12 @@ class Committer(Actor):
             await self._commit_round(message, request)
         elif isinstance(message, Failed):
             await self._finish(message.request_id, request, "error", error=message.error)
-        elif isinstance(message, Cancel):
-            await self._finish(message.request_id, request, "cancelled", notify=False)
+
+    def cancel(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._log_finish(request_id, request, "cancelled")
+            self.forget(request_id)
 
     async def _first_token(self, request_id: str, request: CommitterRequest) -> None:
         assert self.verifier is not None
@@ -176,17 +195,16 @@ class Committer(Actor):
         if finished:
             self._log_finish(request_id, request, emission.finish_reason or "stop")
             self.forget(request_id, last=event)
-        else:
-            request.events.send_nowait(event)
+        elif not self._deliver(request, event):
+            self.cancel(request_id)
 
-    async def _finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None,
-                      notify: bool = True) -> None:
+    async def _finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None) -> None:
         for inbox in self.acks:
             await inbox.send(RoundAck(request_id=request_id, round=request.rounds, finished=True))
         self._log_finish(request_id, request, reason, error)
         last = TokenEvent(request_id=request_id, token_ids=[], text="", finish_reason=reason,
                           usage=self._usage(request), error=error)
-        self.forget(request_id, last=last if notify else None)
+        self.forget(request_id, last=last)
 
     def _log_finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None) -> None:
         self.log(FinishRecord(request_id=request_id, time=time.time(), finish_reason=reason,

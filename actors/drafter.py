@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from protocol import ActorMessage, Admit, Cancel, Drafted, RoundAck, VerdictQueued
+from protocol import ActorMessage, Admit, Drafted, RoundAck, VerdictQueued
 from runtime.cache import DeviceKVCache
 from runtime.models.dflash import DFlashDrafter
 from runtime.speculative import block_size_for
@@ -87,9 +87,6 @@ class Drafter(Actor):
                 self.forget(message.request_id)
                 return
             self._acknowledged(request, message)
-        elif isinstance(message, Cancel):
-            self.forget(message.request_id)
-            return
         await self._draft_ready_rounds(message.request_id, request)
 
     def _acknowledged(self, request: DrafterRequest, ack: RoundAck) -> None:

@@ -32,14 +32,18 @@ class Actor:
                 try:
                     await self.handle(message)
                 except Exception as exc:  # noqa: BLE001  (isolate: one request fails, the actor lives)
-                    self.forget(message.request_id)
                     await self.report_failure(message.request_id, exc)
+                    self.forget(message.request_id)
 
     async def handle(self, message: Any) -> None:
         raise NotImplementedError
 
     def forget(self, request_id: str) -> None:
         """Drop every piece of state this actor holds for the request."""
+
+    def cancel(self, request_id: str) -> None:
+        """The caller left: drop the request now (late messages about it are then ignored)."""
+        self.forget(request_id)
 
     async def report_failure(self, request_id: str, exc: Exception) -> None:
         if self.failures is None:

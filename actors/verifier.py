@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from protocol import ActorMessage, Admit, Cancel, Drafted, GenerationParams, Prefilled, RoundAck, VerdictQueued, Verified
+from protocol import ActorMessage, Admit, Drafted, GenerationParams, Prefilled, RoundAck, VerdictQueued, Verified
 from runtime.acceptance import Verdict, verdict
 from runtime.cache import DeviceKVCache
 from runtime.models import DecoderModel
@@ -84,8 +84,6 @@ class Verifier(Actor):
                 await self._verify(message)
         elif isinstance(message, RoundAck):
             self._acknowledged(message)
-        elif isinstance(message, Cancel):
-            self.forget(message.request_id)
 
     async def _prefill(self, message: Admit) -> None:
         assert self.committer is not None and self.drafter_inbox is not None

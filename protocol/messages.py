@@ -25,12 +25,6 @@ class Admit(Message, tag="admit"):
     params: GenerationParams
 
 
-class Cancel(Message, tag="cancel"):
-    """The caller left; drop the request's state at once (engine -> every actor)."""
-
-    reason: str = "cancelled"
-
-
 class Prefilled(Message, tag="prefilled"):
     """The prompt's forward is queued; its first token and taps are the verifier's (round -1)."""
 
@@ -97,4 +91,4 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
-ActorMessage = Admit | Cancel | Prefilled | Drafted | VerdictQueued | Verified | RoundAck | Failed
+ActorMessage = Admit | Prefilled | Drafted | VerdictQueued | Verified | RoundAck | Failed

@@ -21,7 +21,7 @@ from anyio.abc import ObjectSendStream, TaskGroup
 
 from actors import Committer, Drafter, Verifier
 from actors.mailbox import make_inbox
-from protocol import ActorMessage, Admit, Cancel, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
+from protocol import ActorMessage, Admit, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
 
 from .defaults import default_model_path
 from .drafters import resolve_drafter
@@ -93,7 +93,7 @@ class Engine:
         """Cancel what is still running, let the actors settle, then stop them."""
         assert self._task_group is not None
         for request_id in list(self.committer.requests):
-            await self.cancel(request_id)
+            self.cancel(request_id)
         await self._quiesce()
         self._task_group.cancel_scope.cancel()
         result = await self._task_group.__aexit__(*exc_info)
@@ -132,21 +132,25 @@ class Engine:
         try:
             await self._inboxes["drafter"].send(admit)
             await self._inboxes["verifier"].send(admit)
-            async with receive:
-                async for event in receive:
-                    finished = event.finish_reason is not None
-                    yield event
-                    if finished:
-                        return
+            async for event in receive:
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    return
         finally:
             if not finished:
-                with anyio.CancelScope(shield=True):
-                    await self.cancel(request_id)
+                self.cancel(request_id)
+            receive.close()  # synchronous: no checkpoint between cancelling and closing
 
-    async def cancel(self, request_id: str) -> None:
-        """End a request now; its state is dropped by every actor."""
-        for inbox in self._inboxes.values():
-            await inbox.send(Cancel(request_id=request_id))
+    def cancel(self, request_id: str) -> None:
+        """End a request now: every actor drops its state at once.
+
+        Synchronous on purpose: it runs in ``finally`` blocks of cancelled callers, where
+        awaiting is not possible, and it frees the request's device memory immediately.
+        Messages still in flight for it are ignored by their receivers.
+        """
+        for actor in (self.committer, self.drafter_actor, self.verifier):
+            actor.cancel(request_id)
 
     async def stats(self) -> EngineStats:
         """Live requests and cache bytes, once the actors have handled what is in flight."""

@@ -1,0 +1,181 @@
+"""The actor pipeline: pipelined, sequential and plain decoding agree; failures stay local."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import anyio
+import pytest
+
+import dataclasses
+
+from actors.verifier import RoundOutputs, Verifier
+from protocol import GenerationParams, TokenEvent
+from runtime.engine import Engine
+from runtime.loading import LoadedModel
+from runtime.models.dflash import DFlashDrafter
+from runtime.plain import generate_plain, run_to_end
+
+PROMPTS = [[random.Random(i).randrange(3, 320) for _ in range(random.Random(i).randrange(2, 25))] for i in range(50)]
+
+
+def plain(target: LoadedModel, prompt: list[int], params: GenerationParams) -> list[int]:
+    return run_to_end(generate_plain(target.model, target.tokenizer, prompt, params), len(prompt)).token_ids
+
+
+async def collect(engine: Engine, prompt: Any, params: GenerationParams) -> tuple[list[int], TokenEvent]:
+    ids: list[int] = []
+    last = None
+    async for event in engine.generate(prompt, params):
+        ids += event.token_ids
+        last = event
+    assert last is not None and last.finish_reason is not None
+    return ids, last
+
+
+def run(fn: Any, backend: str = "asyncio") -> Any:
+    return anyio.run(fn, backend=backend)
+
+
+@pytest.mark.parametrize("block", [2, 5, 16])
+def test_pipelined_sequential_and_plain_greedy_outputs_are_identical(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, block: int) -> None:
+    async def outputs(mode: str) -> list[list[int]]:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
+            return [(await collect(engine, p, GenerationParams(max_tokens=7 + 3 * i, block_size=block)))[0]
+                    for i, p in enumerate(PROMPTS[:8])]
+
+    want = [plain(tiny_llama, p, GenerationParams(max_tokens=7 + 3 * i)) for i, p in enumerate(PROMPTS[:8])]
+    assert run(lambda: outputs("sequential")) == want
+    assert run(lambda: outputs("pipelined")) == want
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_fifty_concurrent_generations_finish_correctly_and_leave_no_state(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, backend: str) -> None:
+    results: dict[int, list[int]] = {}
+
+    async def main() -> Any:
+        async with Engine(tiny_llama, tiny_drafter) as engine:
+            async def one(i: int) -> None:
+                results[i] = (await collect(engine, PROMPTS[i], GenerationParams(max_tokens=12, block_size=4)))[0]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(50):
+                    tg.start_soon(one, i)
+            return await engine.stats()
+
+    stats = run(main, backend)
+    assert stats.live_requests == 0 and stats.cache_bytes == 0
+    for i in range(50):
+        assert results[i] == plain(tiny_llama, PROMPTS[i], GenerationParams(max_tokens=12))
+
+
+def test_leaving_the_loop_mid_request_cancels_it_and_frees_its_state(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    async def main() -> Any:
+        async with Engine(tiny_llama, tiny_drafter) as engine:
+            seen = 0
+            async for event in engine.generate(PROMPTS[0], GenerationParams(max_tokens=200, block_size=4)):
+                seen += len(event.token_ids)
+                if seen >= 5:
+                    break
+            await anyio.sleep(0.01)  # the abandoned generator is closed by the event loop
+            during = await engine.stats()
+            ids, _ = await collect(engine, PROMPTS[1], GenerationParams(max_tokens=10))  # still serving
+            with anyio.move_on_after(0.02):  # a cancelled scope ends its request too
+                await collect(engine, PROMPTS[2], GenerationParams(max_tokens=400))
+            return during, ids, await engine.stats()
+
+    during, ids, after = run(main)
+    assert during.live_requests == 0 and during.cache_bytes == 0
+    assert ids == plain(tiny_llama, PROMPTS[1], GenerationParams(max_tokens=10))
+    assert after.live_requests == 0 and after.cache_bytes == 0
+
+
+def _corrupt(kind: str, out: RoundOutputs) -> RoundOutputs:
+    assert out.verdict is not None
+    if kind == "lag":
+        return dataclasses.replace(out, kv_before=out.kv_before + 1)
+    if kind == "trim":
+        return dataclasses.replace(out, kv_after=out.kv_after + 2)
+    if kind == "layout":
+        return dataclasses.replace(out, taps=out.taps[..., :-1])
+    if kind == "accepted-prefix":
+        return dataclasses.replace(out, verdict=out.verdict._replace(accepted=out.verdict.accepted + 1))
+    raise AssertionError(kind)
+
+
+class CorruptingView:
+    """What the committer reads of the verifier, with one request's round 2 corrupted."""
+
+    def __init__(self, verifier: Verifier, victim: str, kind: str) -> None:
+        self.verifier, self.victim, self.kind = verifier, victim, kind
+
+    def outputs(self, request_id: str, round: int) -> RoundOutputs:
+        out = self.verifier.outputs(request_id, round)
+        return _corrupt(self.kind, out) if (request_id, round) == (self.victim, 2) else out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.verifier, name)
+
+
+class RollingBackDrafterView:
+    """The committer's view of the drafter, claiming round 2 started from a shrunk context."""
+
+    def __init__(self, drafter: Any, victim: str) -> None:
+        self.drafter, self.victim = drafter, victim
+
+    def outputs(self, request_id: str, round: int) -> Any:
+        out = self.drafter.outputs(request_id, round)
+        return dataclasses.replace(out, ctx_before=out.ctx_before - 1) if (request_id, round) == (self.victim, 2) else out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.drafter, name)
+
+
+@pytest.mark.parametrize("kind,error", [("lag", "LagViolation"), ("trim", "TrimViolation"), ("layout", "LayoutViolation"),
+                                        ("accepted-prefix", "AcceptanceViolation"), ("no-rollback", "RollbackViolation")])
+def test_a_corrupted_verdict_ends_only_its_request_with_the_named_error(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, kind: str, error: str) -> None:
+    params = GenerationParams(max_tokens=20, block_size=4)
+
+    async def main() -> Any:
+        async with Engine(tiny_llama, tiny_drafter) as engine:
+            if kind == "no-rollback":
+                engine.committer.drafter = RollingBackDrafterView(engine.committer.drafter, "req-0")  # type: ignore[assignment]
+            else:
+                engine.committer.verifier = CorruptingView(engine.committer.verifier, "req-0", kind)  # type: ignore[assignment]
+            outcomes: dict[int, Any] = {}
+
+            async def one(i: int) -> None:
+                outcomes[i] = await collect(engine, PROMPTS[i], params)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+            return outcomes, await engine.stats()
+
+    outcomes, stats = run(main)
+    _, last = outcomes[0]
+    assert last.finish_reason == "error" and f"{kind} invariant violated" in (last.error or "")
+    for i in (1, 2):
+        assert outcomes[i][0] == plain(tiny_llama, PROMPTS[i], params)
+    assert stats.live_requests == 0
+
+
+def test_round_logs_record_every_round_and_rebuild_the_output(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from protocol import records
+
+    log = tmp_path / "run.jsonl"
+
+    async def main() -> list[int]:
+        async with Engine(tiny_llama, tiny_drafter, log=log) as engine:
+            return (await collect(engine, PROMPTS[4], GenerationParams(max_tokens=15, block_size=4)))[0]
+
+    ids = run(main)
+    parsed = [records.from_json(line) for line in log.read_text().splitlines()]
+    kinds = [type(r).__name__ for r in parsed]
+    assert kinds[0] == "RequestRecord" and kinds[-1] == "FinishRecord"
+    rounds = [r for r in parsed if type(r).__name__ == "RoundRecord"]
+    first = ids[0]
+    assert [first] + [t for r in rounds for t in r.committed][: len(ids) - 1] == ids
+    assert all(r.verify_queued >= r.draft_queued for r in rounds)
+    assert parsed[-1].token_ids == ids
