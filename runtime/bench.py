@@ -2,10 +2,14 @@
 
     python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json]
 
-Each prompt runs once per mode after a warm-up (first-run kernel compilation is not
-timed). Reported: decode tokens/s (after the first token), time to first token, mean
-acceptance length tau, acceptance per block position, the cost of a round's parts, the
-speedup over plain decoding, and whether each DFlash output equals plain greedy.
+Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
+times a round's parts), and the actor engine in ``sequential`` (host sync every round)
+and ``pipelined`` (round N+1 queued before round N is read) modes; ``dflash`` in the
+JSON is the pipelined engine. Each prompt runs once per mode after a warm-up
+(first-run kernel compilation is not timed). Reported: decode tokens/s (after the first
+token), time to first token, mean acceptance length tau, acceptance per block position,
+GPU idle time between rounds, the speedup over plain decoding, and whether every output
+equals plain greedy.
 """
 
 from __future__ import annotations
@@ -13,16 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mlx.core as mx
+import msgspec
 
-from protocol import GenerationParams
+from protocol import GenerationParams, TokenEvent
 
 from .cli import add_model_arguments, print_json, run_cli
 from .defaults import default_model_path
 from .drafters import resolve_drafter
+from .engine import MODES, Engine
 from .errors import RequestError
 from .loading import LoadedModel, load_target
 from .models.dflash import DFlashDrafter
@@ -79,44 +87,97 @@ def aggregate(results: list[GenerationResult]) -> dict[str, float]:
     }
 
 
-def bench(target: LoadedModel, drafter: DFlashDrafter, prompts: list[tuple[str, list[int]]], params: GenerationParams) -> dict[str, Any]:
-    warm = GenerationParams(max_tokens=8, block_size=params.block_size)
-    run_plain(target, prompts[0][1], warm)
-    run_dflash(target, drafter, prompts[0][1], warm)
-    plain_results, dflash_results, all_stats, exact = [], [], [], []
-    for _, ids in prompts:
-        p = run_plain(target, ids, params)
-        d, stats = run_dflash(target, drafter, ids, params)
-        plain_results.append(p)
-        dflash_results.append(d)
-        all_stats.append(stats)
-        exact.append(p.token_ids == d.token_ids)
-    block = block_size_for(drafter, params)
-    merged = SpeculativeStats([r for s in all_stats for r in s.rounds])
-    plain, dflash = aggregate(plain_results), {**aggregate(dflash_results), **merged.summary(block)}
-    dflash["round_ms"] = round_costs_ms(all_stats)
+async def run_engine(target: LoadedModel, drafter: DFlashDrafter, prompts: list[list[int]], params: GenerationParams,
+                     mode: str) -> list[tuple[list[int], TokenEvent]]:
+    """Each prompt in turn through the actor engine (one request at a time: latency, not batching)."""
+    async with Engine(target, drafter, mode=mode) as engine:
+        results = []
+        for ids in prompts:
+            tokens: list[int] = []
+            async for event in engine.generate(ids, params):
+                tokens += event.token_ids
+            results.append((tokens, event))
+        return results
+
+
+def engine_summary(results: list[tuple[list[int], TokenEvent]]) -> dict[str, Any]:
+    decode = sum(e.timings["decode_s"] for _, e in results)
+    tokens = sum(max(0, len(t) - 1) for t, _ in results)
+    rounds = sum(int(e.stats["rounds"]) for _, e in results)  # type: ignore[arg-type]
+    accepted = sum(float(e.stats["tau"]) * int(e.stats["rounds"]) for _, e in results)  # type: ignore[arg-type]
+    idle = sum(e.timings["gpu_idle_s"] for _, e in results)
     return {
-        "device": str(mx.default_device()), "block_size": block, "max_tokens": params.max_tokens,
-        "prompts": len(prompts), "plain": plain, "dflash": dflash,
-        "speedup": round(dflash["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0.0,
-        "exact": all(exact), "exact_per_prompt": exact,
+        "tokens_per_s": round(tokens / decode, 2) if decode else 0.0,
+        "ttft_ms": round(1e3 * statistics.mean(e.timings["ttft_s"] for _, e in results), 2),
+        "tau": round(accepted / rounds, 3) if rounds else 0.0,
+        "rounds": rounds,
+        "round_ms": round(1e3 * decode / rounds, 3) if rounds else 0.0,
+        "gpu_idle_ms_per_round": round(1e3 * idle / rounds, 3) if rounds else 0.0,
+        "gpu_idle_fraction": round(idle / decode, 4) if decode else 0.0,
+    }
+
+
+def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tuple[str, list[int]]],
+          params: GenerationParams) -> dict[str, Any]:
+    """Every mode on every prompt; with no drafter, plain decoding alone."""
+    ids = [p for _, p in prompts]
+    warm = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, 24))
+    run_plain(target, ids[0], warm)
+    plain_results = [run_plain(target, p, params) for p in ids]
+    report: dict[str, Any] = {
+        "device": str(mx.default_device()), "dtype": target.compute_dtype, "quantized": target.quantized,
+        "max_tokens": params.max_tokens, "prompts": len(prompts), "plain": aggregate(plain_results),
+    }
+    if drafter is not None:
+        report.update(bench_dflash(target, drafter, ids, params, warm, [r.token_ids for r in plain_results]))
+        report["speedup"] = round(report["dflash"]["tokens_per_s"] / (report["plain"]["tokens_per_s"] or 1.0), 3)
+    return report
+
+
+def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int]], params: GenerationParams,
+                 warm: GenerationParams, want: list[list[int]]) -> dict[str, Any]:
+    run_dflash(target, drafter, ids[0], warm)
+    for mode in MODES:
+        anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
+    reference = [run_dflash(target, drafter, p, params) for p in ids]
+    engines = {mode: anyio.run(run_engine, target, drafter, ids, params, mode) for mode in MODES}
+    exact = {"reference": [r.token_ids for r, _ in reference] == want,
+             **{mode: [t for t, _ in res] == want for mode, res in engines.items()}}
+    block = block_size_for(drafter, params)
+    merged = SpeculativeStats([r for _, s in reference for r in s.rounds])
+    ref = {**aggregate([r for r, _ in reference]), **merged.summary(block), "round_parts_ms": round_costs_ms([s for _, s in reference])}
+    modes = {mode: engine_summary(res) for mode, res in engines.items()}
+    dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
+    return {
+        "block_size": block, "reference": ref, "sequential": modes["sequential"], "dflash": dflash,
+        "pipelined_over_sequential": round(dflash["tokens_per_s"] / (modes["sequential"]["tokens_per_s"] or 1.0), 3),
+        "exact": all(exact.values()), "exact_per_mode": exact,
     }
 
 
 def print_table(report: dict[str, Any]) -> None:
-    p, d = report["plain"], report["dflash"]
-    print(f"device {report['device']}, {report['prompts']} prompts, max_tokens {report['max_tokens']}, block {report['block_size']}")
-    print(f"{'mode':<8} {'tok/s':>9} {'ttft ms':>9} {'tau':>6} {'speedup':>8} {'exact':>6}")
-    print(f"{'plain':<8} {p['tokens_per_s']:>9.2f} {p['ttft_ms']:>9.1f} {'':>6} {1.0:>8.2f} {'':>6}")
-    print(f"{'dflash':<8} {d['tokens_per_s']:>9.2f} {d['ttft_ms']:>9.1f} {d['tau']:>6.2f} {report['speedup']:>8.2f} {str(report['exact']):>6}")
-    print("acceptance per block position:", " ".join(f"{x:.2f}" for x in d["acceptance_per_position"]))
-    print("round parts (ms):", ", ".join(f"{k[:-2]} {v}" for k, v in d["round_ms"].items()))
+    print(f"device {report['device']} ({report['dtype']}{', quantized' if report['quantized'] else ''}), "
+          f"{report['prompts']} prompts, max_tokens {report['max_tokens']}, block {report.get('block_size', '-')}, "
+          f"load {report.get('load_s', 0):.1f} s")
+    print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'exact':>6}")
+    plain_speed = report["plain"]["tokens_per_s"] or 1.0
+    names = [("plain", "plain"), ("reference", "reference"), ("sequential", "sequential"), ("pipelined", "dflash")]
+    for name, key in names:
+        if key not in report:
+            continue
+        row = report[key]
+        exact = report.get("exact_per_mode", {}).get(name, "")
+        print(f"{name:<11} {row['tokens_per_s']:>9.2f} {row['tokens_per_s'] / plain_speed:>8.2f} {row['ttft_ms']:>9.1f} "
+              f"{row.get('tau', 1.0):>6.2f} {row.get('round_ms', 0.0):>9.2f} {row.get('gpu_idle_ms_per_round', 0.0):>10.3f} {str(exact):>6}")
+    if "dflash" in report:
+        print("acceptance per block position:", " ".join(f"{x:.2f}" for x in report["dflash"]["acceptance_per_position"]))
+        print("reference round parts (ms):", ", ".join(f"{k[:-2]} {v}" for k, v in report["reference"]["round_parts_ms"].items()))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n")[0])
     add_model_arguments(parser)
-    parser.add_argument("--draft", help="drafter folder, or random:L (default: the bundled drafter)")
+    parser.add_argument("--draft", help="drafter folder, or random:L (default: the bundled drafter; 'none': plain only)")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with 'prompt' or 'messages' per line")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=None)
@@ -126,10 +187,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    started = time.perf_counter()
     target = load_target(args.model or default_model_path(), dtype=args.dtype)
-    drafter = resolve_drafter(args.draft, target, block_size=args.block_size or 16)
+    load_s = time.perf_counter() - started
+    drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
-    report = bench(target, drafter, read_prompts(args.prompts, target), params)
+    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params)}
     print_json(report) if args.json else print_table(report)
 
 

