@@ -1,0 +1,252 @@
+"""The DFlash training loop: frozen-target taps, block loss, AdamW, checkpoints that resume exactly.
+
+One optimizer step takes ``batch_size`` sequences, processed ``micro_batch`` at a time:
+each micro-batch runs the frozen target once (no gradient) for its taps, then the
+drafter's training forward over all its blocks. Gradients of the weighted loss *sum*
+are accumulated and divided by the batch's total weight, so the update does not depend
+on how the batch was cut into micro-batches.
+
+Parameters and AdamW state are float32 ("master" weights); with a half-precision
+compute dtype the drafter that runs forward holds a cast copy, refreshed after every
+update, so small late updates are not rounded away.
+
+Everything random is a pure function of (seed, epoch, index): the data order of an
+epoch and the anchors of each sequence. A checkpoint therefore needs only the step,
+the weights and the optimizer state to continue exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+
+from ..errors import RuntimeErrorBase
+from ..models import DecoderModel
+from ..models.dflash import DFlashDrafter
+from .batches import MicroBatch, default_gamma, make_micro_batch, sample_anchors, training_mask
+from .data import Example
+from .drafter import cast_parameters
+
+ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 0, 1, 2  # independent random streams of one seed
+
+
+class ResumeError(RuntimeErrorBase):
+    """A checkpoint cannot be continued with the current settings."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    epochs: int = 3
+    batch_size: int = 16  # sequences per optimizer step
+    micro_batch: int = 4  # sequences per forward (memory)
+    anchors_per_seq: int = 64
+    lr: float = 6e-4
+    warmup_fraction: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None  # None: default_gamma(block_size)
+    seed: int = 0
+    compile: bool = True
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float  # weighted cross-entropy per unit weight
+    grad_norm: float
+    lr: float
+    tokens: int  # sequence tokens processed
+    seconds: float
+
+
+@dataclass
+class EvalStats:
+    loss: float
+    accuracy: float  # top-1 over all supervised block rows
+    acceptance: float  # teacher-forced tau: 1 + mean accepted prefix per block
+
+    def __str__(self) -> str:
+        return f"loss {self.loss:.3f}  acc {self.accuracy:.3f}  tau {self.acceptance:.2f}"
+
+
+def lr_schedule(lr: float, total_steps: int, warmup_fraction: float) -> Callable[[mx.array], mx.array]:
+    """Linear warm-up to ``lr`` over the first steps, then cosine decay to 0."""
+    warmup = max(1, round(total_steps * warmup_fraction))
+    # warm-up starts at lr/warmup, not 0: a first step at lr 0 would be wasted
+    ramp = optim.linear_schedule(lr / warmup, lr, warmup)
+    return optim.join_schedules([ramp, optim.cosine_decay(lr, max(1, total_steps - warmup))], [warmup])
+
+
+def block_logits(drafter: DFlashDrafter, taps: mx.array, blocks: mx.array, anchors: mx.array) -> mx.array:
+    """Logits ``[S, K, B-1, V]`` of block rows 1..B-1 (row 0, the anchor, predicts nothing)."""
+    s, k = anchors.shape
+    mask = training_mask(anchors, taps.shape[1], drafter.block_size)
+    hidden = drafter.training_hidden(blocks, anchors, taps, mask)
+    return drafter.logits(hidden.reshape(s, k, drafter.block_size, -1)[:, :, 1:]).astype(mx.float32)
+
+
+def can_train_on(example: Example, block_size: int) -> bool:
+    """At least one anchor fits: a whole block inside the sequence, anchored in the response."""
+    return len(example.response_ids) >= block_size
+
+
+class Trainer:
+    def __init__(self, target: DecoderModel, drafter: DFlashDrafter, train: Sequence[Example],
+                 settings: TrainSettings, dtype: mx.Dtype) -> None:
+        if not train:
+            raise RuntimeErrorBase("no training sequence has a response of a whole block: regenerate more data")
+        self.target, self.drafter, self.train, self.settings, self.dtype = target, drafter, list(train), settings, dtype
+        self.gamma = settings.gamma or default_gamma(drafter.block_size)
+        self.steps_per_epoch = math.ceil(len(self.train) / settings.batch_size)
+        self.total_steps = self.steps_per_epoch * settings.epochs
+        self.master = drafter if dtype == mx.float32 else _float32_copy(drafter)
+        self.schedule = lr_schedule(settings.lr, self.total_steps, settings.warmup_fraction)
+        self.optimizer = optim.AdamW(
+            learning_rate=self.schedule, weight_decay=settings.weight_decay, bias_correction=True,  # as torch's
+        )
+        self.optimizer.init(self.master.trainable_parameters())
+        self.step = 0
+        self._grad = nn.value_and_grad(drafter, self._loss_sum)
+        self._apply = self._apply_update
+        if settings.compile:
+            # outputs too: value_and_grad writes its traced parameters into the drafter
+            self._grad = mx.compile(self._grad, inputs=[drafter.state], outputs=[drafter.state])
+            state = [self.optimizer.state, self.master.state] + ([] if self.master is drafter else [drafter.state])
+            self._apply = mx.compile(self._apply_update, inputs=state, outputs=state)
+
+    # ---------------------------------------------------------------- one step
+
+    def _loss_sum(self, taps: mx.array, blocks: mx.array, anchors: mx.array, labels: mx.array, weights: mx.array) -> mx.array:
+        ce = nn.losses.cross_entropy(block_logits(self.drafter, taps, blocks, anchors), labels)
+        return (ce * weights).sum()
+
+    def _apply_update(self, grads: dict[str, Any], total_weight: mx.array) -> mx.array:
+        grads = tree_map(lambda g: g / total_weight, grads)
+        grads, norm = optim.clip_grad_norm(grads, self.settings.grad_clip)
+        self.optimizer.update(self.master, grads)
+        if self.master is not self.drafter:
+            self.drafter.update(cast_parameters(self.master, self.dtype))
+        return norm
+
+    def taps(self, tokens: mx.array) -> mx.array:
+        """The frozen target's taps over whole sequences (logits only for the last row: unused)."""
+        out = self.target(tokens, tap_layers=self.drafter.tap_layers, last_only=True)
+        return out.taps.astype(self.dtype)  # type: ignore[union-attr]
+
+    def micro_batches(self, examples: Sequence[Example], anchors: Sequence[np.ndarray]) -> Iterator[MicroBatch]:
+        # similar lengths together waste less padding; the summed gradient is the same
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
+        for start in range(0, len(order), self.settings.micro_batch):
+            rows = order[start : start + self.settings.micro_batch]
+            yield make_micro_batch([examples[i] for i in rows], [anchors[i] for i in rows],
+                                   self.settings.anchors_per_seq, self.drafter.block_size,
+                                   self.drafter.args.mask_token_id, self.gamma)
+
+    def batch_for(self, step: int) -> tuple[list[Example], list[np.ndarray]]:
+        """The sequences and anchors of global step ``step``: a pure function of the seed."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.settings.seed, ORDER_STREAM, epoch]).permutation(len(self.train))
+        rows = order[index * self.settings.batch_size : (index + 1) * self.settings.batch_size]
+        examples = [self.train[i] for i in rows]
+        anchors = [self._anchors(e, np.random.default_rng([self.settings.seed, ANCHOR_STREAM, epoch, int(i)]))
+                   for e, i in zip(examples, rows)]
+        return examples, anchors
+
+    def _anchors(self, example: Example, rng: np.random.Generator) -> np.ndarray:
+        return sample_anchors(len(example.prompt_ids), len(example), self.drafter.block_size,
+                              self.settings.anchors_per_seq, rng)
+
+    def train_step(self) -> StepStats:
+        start = time.perf_counter()
+        examples, anchors = self.batch_for(self.step)
+        loss_sum, total_weight, grads = mx.array(0.0), mx.array(0.0), None
+        for micro in self.micro_batches(examples, anchors):
+            loss, g = self._grad(self.taps(micro.tokens), micro.blocks, micro.anchors, micro.labels, micro.weights)
+            g = tree_map(lambda x: x.astype(mx.float32), g)  # half-precision sums would drift
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            loss_sum, total_weight = loss_sum + loss, total_weight + micro.weights.sum()
+            mx.eval(loss_sum, total_weight, grads)  # bound the graph to one micro-batch
+        norm = self._apply(grads, total_weight)
+        mx.eval(norm, self.master.parameters(), self.drafter.parameters(), self.optimizer.state)
+        lr = self.schedule(mx.array(self.step)).item()  # the rate this update used
+        self.step += 1
+        return StepStats(self.step, (loss_sum / total_weight).item(), norm.item(), lr,
+                         sum(len(e) for e in examples), time.perf_counter() - start)
+
+    # ---------------------------------------------------------------- evaluation
+
+    def evaluate(self, examples: Sequence[Example]) -> EvalStats:
+        """Teacher-forced loss, accuracy and acceptance on fixed anchors of ``examples``."""
+        ce_sum = weight_sum = correct = rows = accepted = blocks = 0.0
+        anchors = [self._anchors(e, np.random.default_rng([self.settings.seed, EVAL_STREAM, i]))
+                   for i, e in enumerate(examples)]
+        for micro in self.micro_batches(examples, anchors):
+            logits = block_logits(self.drafter, self.taps(micro.tokens), micro.blocks, micro.anchors)
+            ce = nn.losses.cross_entropy(logits, micro.labels)
+            valid = micro.weights > 0
+            hits = (mx.argmax(logits, axis=-1) == micro.labels) & valid
+            ce_sum += (ce * micro.weights).sum().item()
+            weight_sum += micro.weights.sum().item()
+            correct += hits.sum().item()
+            rows += valid.sum().item()
+            # accepted drafts of a block: its leading run of hits, as in greedy verification
+            accepted += mx.cumprod(hits.astype(mx.int32), axis=-1).sum().item()
+            blocks += valid[..., 0].sum().item()
+        return EvalStats(ce_sum / max(weight_sum, 1e-9), correct / max(rows, 1), 1 + accepted / max(blocks, 1))
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def fingerprint(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """What must not change between a run and its resumption."""
+        keys = hashlib.sha256("".join(e.key for e in self.train).encode()).hexdigest()
+        return {"settings": asdict(self.settings), "train_data": keys, **extra}
+
+    def save_checkpoint(self, folder: Path, fingerprint: dict[str, Any]) -> None:
+        """Weights, optimizer state and step, written beside ``folder`` then swapped in whole."""
+        staging = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        mx.save_safetensors(str(staging / "weights.safetensors"), dict(tree_flatten(self.master.parameters())))
+        mx.save_safetensors(str(staging / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+        (staging / "state.json").write_text(json.dumps({"step": self.step, "fingerprint": fingerprint}))
+        previous = folder.with_name(folder.name + ".previous")
+        if folder.exists():
+            folder.rename(previous)
+        staging.rename(folder)
+        shutil.rmtree(previous, ignore_errors=True)
+
+    def load_checkpoint(self, folder: Path, fingerprint: dict[str, Any]) -> None:
+        state = json.loads((folder / "state.json").read_text())
+        changed = [k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k]]
+        if changed:
+            raise ResumeError(
+                f"{folder} was made with different {', '.join(changed)}: resume with the same data and "
+                "settings, or start a new run in another --out folder"
+            )
+        self.master.load_weights(list(mx.load(str(folder / "weights.safetensors")).items()), strict=True)
+        if self.master is not self.drafter:
+            self.drafter.update(cast_parameters(self.master, self.dtype))
+        saved = mx.load(str(folder / "optimizer.safetensors"))
+        # leaf by leaf into the live tree: it keeps the empty subtrees a flat file cannot hold,
+        # and a compiled update holds on to this very dict
+        self.optimizer.state.update(tree_map_with_path(lambda path, _: saved[path], self.optimizer.state))
+        mx.eval(self.master.parameters(), self.drafter.parameters(), self.optimizer.state)
+        self.step = int(state["step"])
+
+
+def _float32_copy(drafter: DFlashDrafter) -> DFlashDrafter:
+    master = DFlashDrafter(drafter.args)
+    master.update(cast_parameters(drafter, mx.float32))
+    return master

@@ -1,0 +1,322 @@
+"""DFlash drafter training (runtime.training, python -m runtime.train) on tiny fixtures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from protocol import GenerationParams
+from runtime import train as train_cli
+from runtime.loading import LoadedModel, load_drafter
+from runtime.models.dflash import DFlashDrafter
+from runtime.plain import plain_steps
+from runtime.sampling import Sampler
+from runtime.training.batches import block_labels, make_micro_batch, sample_anchors, training_mask
+from runtime.training.corpora import DataError, Prompt, file_prompts, is_heldout, load_prompts
+from runtime.training.data import Example, GenerationLimits, ResponseCache, build_examples, greedy_batch
+from runtime.training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter
+from runtime.training.trainer import Trainer, TrainSettings, block_logits
+
+BLOCK = 4
+MASK_ID = 5  # the tiny vocabulary has no spare row: reuse a token, as for SmolLM2
+TAPS = (1, 2)
+
+
+def tiny_config(target: LoadedModel, layers: int = 2) -> dict:
+    return drafter_config(target.model.args, DrafterShape(layers=layers, block_size=BLOCK, taps=TAPS), MASK_ID)
+
+
+def loud_drafter(target: LoadedModel, seed: int = 0) -> DFlashDrafter:
+    """Larger random weights than the training init, so every input visibly moves the output."""
+    drafter = new_drafter(tiny_config(target), seed)
+    drafter.update(tree_map(lambda p: p * 8 if p.ndim == 2 else p, drafter.parameters()))
+    return drafter.bind(target.model)
+
+
+def random_example(rng: np.random.Generator, prompt_len: int, response_len: int, key: str = "k") -> Example:
+    tokens = rng.integers(3, 300, size=prompt_len + response_len).tolist()
+    return Example(key, tokens[:prompt_len], tokens[prompt_len:], "test", "train")
+
+
+# ---------------------------------------------------------------- anchors, labels, mask
+
+
+def test_anchors_lie_in_the_response_with_a_whole_block_after_them() -> None:
+    rng = np.random.default_rng(0)
+    anchors = sample_anchors(prompt_len=10, length=40, block_size=BLOCK, count=8, rng=rng)
+    assert len(anchors) == 8 == len(set(anchors.tolist()))
+    assert anchors.min() >= 10 and anchors.max() <= 40 - BLOCK
+    every = sample_anchors(prompt_len=10, length=16, block_size=BLOCK, count=8, rng=rng)
+    assert every.tolist() == list(range(10, 13))  # fewer candidates than asked: all of them
+
+
+def test_labels_are_same_position_and_row_zero_predicts_nothing() -> None:
+    rng = np.random.default_rng(1)
+    example = random_example(rng, 6, 20)
+    x = example.tokens
+    anchors = np.array([6, 11, 22])
+    batch = make_micro_batch([example], [anchors], blocks_per_seq=4, block_size=BLOCK, mask_token_id=MASK_ID, gamma=2.0)
+    blocks = np.array(batch.blocks).reshape(4, BLOCK)
+    labels, weights = np.array(batch.labels)[0], np.array(batch.weights)[0]
+    for j, a in enumerate(anchors):
+        assert blocks[j].tolist() == [x[a]] + [MASK_ID] * (BLOCK - 1)
+        assert labels[j].tolist() == [x[a + k] for k in range(1, BLOCK)]  # row k -> x[a+k], not x[a+k+1]
+        np.testing.assert_allclose(weights[j], np.exp(-np.arange(BLOCK - 1) / 2.0), rtol=1e-6)
+    assert not weights[3].any()  # the padding block carries no loss
+    _, valid = block_labels(x, np.array([len(x) - 2]), BLOCK)
+    assert valid[0].tolist() == [True, False, False]  # only where a + k < len
+
+
+def test_mask_shows_a_block_only_the_context_before_its_anchor_and_itself() -> None:
+    anchors = mx.array([[3, 7, 0]])
+    ctx_len, k = 10, 3
+    mask = np.array(training_mask(anchors, ctx_len, BLOCK))[0, 0]
+    assert mask.shape == (k * BLOCK, ctx_len + k * BLOCK)
+    for q in range(k * BLOCK):
+        block, a = q // BLOCK, int(anchors[0, q // BLOCK])
+        sees_ctx = mask[q, :ctx_len]
+        assert sees_ctx[:a].all(), "every position before the anchor is visible"
+        assert not sees_ctx[a:].any(), "the anchor's own features and everything later are hidden"
+        sees_blocks = mask[q, ctx_len:].reshape(k, BLOCK)
+        assert sees_blocks[block].all(), "bidirectional within its own block"
+        assert not np.delete(sees_blocks, block, axis=0).any(), "never another block"
+
+
+# ---------------------------------------------------------------- the training forward
+
+
+def test_training_forward_equals_the_decode_paths_drafter_at_every_anchor(tiny_llama: LoadedModel) -> None:
+    drafter = loud_drafter(tiny_llama)
+    rng = np.random.default_rng(2)
+    example = random_example(rng, 8, 30)
+    anchors = np.array([8, 9, 17, 33, 34])
+    batch = make_micro_batch([example], [anchors], 6, BLOCK, MASK_ID, gamma=2.0)
+    taps = tiny_llama.model(batch.tokens, tap_layers=drafter.tap_layers).taps
+    trained = np.array(block_logits(drafter, taps, batch.blocks, batch.anchors))[0]
+    for j, a in enumerate(anchors):
+        block = mx.array([[example.tokens[a]] + [MASK_ID] * (BLOCK - 1)])
+        decoded = np.array(drafter(block, taps[:, :a], drafter.make_cache()))[0]
+        np.testing.assert_allclose(trained[j], decoded, atol=1e-4)
+        # the trap the mask avoids: letting the block see its anchor's own features
+        leaky = np.array(drafter(block, taps[:, : a + 1], drafter.make_cache()))[0]
+        assert np.abs(leaky - trained[j]).max() > 1e-2
+
+
+def test_training_forward_matches_decoding_on_a_multi_sequence_padded_batch(tiny_llama: LoadedModel) -> None:
+    drafter = loud_drafter(tiny_llama, seed=3)
+    rng = np.random.default_rng(3)
+    examples = [random_example(rng, 5, 12), random_example(rng, 9, 40)]
+    anchors = [np.array([5, 10]), np.array([9, 20, 45])]
+    batch = make_micro_batch(examples, anchors, 3, BLOCK, MASK_ID, gamma=2.0)
+    taps = tiny_llama.model(batch.tokens, tap_layers=drafter.tap_layers).taps
+    trained = np.array(block_logits(drafter, taps, batch.blocks, batch.anchors))
+    for i, (example, picked) in enumerate(zip(examples, anchors)):
+        for j, a in enumerate(picked):
+            block = mx.array([[example.tokens[a]] + [MASK_ID] * (BLOCK - 1)])
+            decoded = np.array(drafter(block, taps[i : i + 1, :a], drafter.make_cache()))[0]
+            np.testing.assert_allclose(trained[i, j], decoded, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def tiny_trainer(target: LoadedModel, examples: list[Example], dtype: mx.Dtype = mx.float32, **settings) -> Trainer:
+    drafter = new_drafter(tiny_config(target), seed=0, dtype=dtype).bind(target.model)
+    base = dict(epochs=4, batch_size=4, micro_batch=2, anchors_per_seq=8, lr=3e-3, compile=False)
+    return Trainer(target.model, drafter, examples, TrainSettings(**{**base, **settings}), dtype)
+
+
+@pytest.fixture(scope="module")
+def examples() -> list[Example]:
+    """Sequences with a learnable pattern: the response repeats a short cycle."""
+    rng = np.random.default_rng(4)
+    out = []
+    for i in range(8):
+        cycle = rng.integers(3, 300, size=3).tolist()
+        prompt = rng.integers(3, 300, size=6).tolist() + cycle
+        out.append(Example(str(i), prompt, (cycle * 10)[:24], "test", "train"))
+    return out
+
+
+def test_training_steps_lower_the_loss(tiny_llama: LoadedModel, examples: list[Example]) -> None:
+    trainer = tiny_trainer(tiny_llama, examples, epochs=10, lr=1e-2)
+    before = trainer.evaluate(examples)
+    for _ in range(trainer.total_steps):
+        stats = trainer.train_step()
+        assert np.isfinite(stats.loss) and stats.tokens > 0
+    after = trainer.evaluate(examples)
+    assert after.loss < before.loss / 2
+    assert after.accuracy > 0.2 and after.acceptance > before.acceptance
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16-with-float32-master"])
+def test_resuming_a_checkpoint_gives_the_uninterrupted_next_step(
+    tmp_path: Path, tiny_llama: LoadedModel, examples: list[Example], dtype: mx.Dtype,
+) -> None:
+    straight = tiny_trainer(tiny_llama, examples, dtype, compile=True)
+    for _ in range(3):
+        expected = straight.train_step()
+    first = tiny_trainer(tiny_llama, examples, dtype, compile=True)
+    first.train_step(), first.train_step()
+    fingerprint = first.fingerprint({})
+    first.save_checkpoint(tmp_path / "ckpt", fingerprint)
+    resumed = tiny_trainer(tiny_llama, examples, dtype, compile=True)
+    resumed.load_checkpoint(tmp_path / "ckpt", fingerprint)
+    got = resumed.train_step()
+    assert (got.step, got.loss, got.lr) == (expected.step, expected.loss, expected.lr)
+    for (name, a), (_, b) in zip(tree_flatten(straight.master.parameters()), tree_flatten(resumed.master.parameters())):
+        assert mx.array_equal(a, b), name
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path: Path, tiny_llama: LoadedModel, examples: list[Example]) -> None:
+    trainer = tiny_trainer(tiny_llama, examples)
+    trainer.save_checkpoint(tmp_path / "ckpt", trainer.fingerprint({}))
+    other = tiny_trainer(tiny_llama, examples, lr=1e-3)
+    with pytest.raises(Exception, match="different settings"):
+        other.load_checkpoint(tmp_path / "ckpt", other.fingerprint({}))
+
+
+# ---------------------------------------------------------------- regeneration
+
+
+def test_batched_regeneration_equals_one_at_a_time_greedy(tiny_llama: LoadedModel) -> None:
+    model = tiny_llama.model
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (9, 4, 7, 9, 1)]  # left padding of 0..8
+    batched = greedy_batch(model, prompts, max_new=12, stop_ids=frozenset())
+    greedy = Sampler(GenerationParams(temperature=0.0))
+    for prompt, row in zip(prompts, batched):
+        steps = plain_steps(model, prompt, greedy)
+        assert row == [next(steps) for _ in range(12)]
+
+
+def test_regeneration_cuts_at_the_stop_token_and_is_cached(tmp_path: Path, tiny_llama: LoadedModel) -> None:
+    prompts = [Prompt("t", text=t) for t in ("def add(a, b):", "The quick brown", "naïve café", "fox jumps")]
+    limits = GenerationLimits(max_new_tokens=10, max_seq_len=64)
+    cache = ResponseCache(tmp_path / "responses.jsonl")
+    made = build_examples(tiny_llama.model, tiny_llama.tokenizer, prompts, limits, cache, heldout_fraction=0.5)
+    stops = tiny_llama.tokenizer.eos_token_ids
+    for example, prompt in zip(made, prompts):
+        assert example.prompt_ids == tiny_llama.tokenizer.encode(prompt.text)
+        assert 1 <= len(example.response_ids) <= 10
+        assert not stops & set(example.response_ids[:-1]), "nothing is kept after a stop token"
+        assert example.split == ("heldout" if is_heldout(prompt, 0.5) else "train")
+    lines = (tmp_path / "responses.jsonl").read_text().splitlines()
+    again = build_examples(tiny_llama.model, tiny_llama.tokenizer, prompts, limits,
+                           ResponseCache(tmp_path / "responses.jsonl"), heldout_fraction=0.5)
+    assert again == made and (tmp_path / "responses.jsonl").read_text().splitlines() == lines
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def test_file_prompts_read_messages_prompts_text_and_plain_lines(tmp_path: Path) -> None:
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old reply"}]},
+        {"prompt": "What is 2+2?"},
+        {"text": "def f(x):"},
+    ]))
+    got = file_prompts(jsonl)
+    assert got[0].messages == (("user", "hi"),)  # the reply to regenerate is dropped
+    assert got[1].messages == (("user", "What is 2+2?"),)
+    assert got[2].text == "def f(x):" and not got[2].messages
+    plain = tmp_path / "p.txt"
+    plain.write_text("first\n\nsecond\n")
+    assert [p.messages for p in file_prompts(plain)] == [(("user", "first"),), (("user", "second"),)]
+
+
+def test_humaneval_is_never_training_data(tmp_path: Path) -> None:
+    by_name = tmp_path / "HumanEval.jsonl"
+    by_name.write_text(json.dumps({"prompt": "def f():"}) + "\n")
+    by_task = tmp_path / "tasks.jsonl"
+    by_task.write_text(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():"}) + "\n")
+    for path in (by_name, by_task):
+        with pytest.raises(DataError, match="evaluation only"):
+            file_prompts(path)
+
+
+def test_selection_and_split_are_stable_across_sample_counts(tmp_path: Path) -> None:
+    lines = tmp_path / "many.txt"
+    lines.write_text("\n".join(f"question number {i}" for i in range(200)))
+    few, more = load_prompts([str(lines)], 20, seed=0), load_prompts([str(lines)], 50, seed=7)
+    assert set(few) <= set(more), "a larger pick keeps the smaller one (cached responses stay useful)"
+    assert [is_heldout(p, 0.1) for p in few] == [is_heldout(p, 0.1) for p in more[:20]]
+    held = sum(is_heldout(p, 0.1) for p in more)
+    assert 1 <= held <= 12, "a pick is not biased towards (or away from) the held-out prompts"
+
+
+def test_gsm_training_prompts_avoid_the_evaluation_seeds() -> None:
+    pytest.importorskip("reasoning_gym")
+    import reasoning_gym
+
+    from runtime.training.corpora import GSM_EVAL_SEEDS, gsm_prompts
+
+    train = {p.messages[0][1] for p in gsm_prompts(20, seed=0)}
+    evaluation = {item["question"] for item in reasoning_gym.create_dataset("gsm_symbolic", size=20, seed=GSM_EVAL_SEEDS[0])}
+    assert len(train) == 20 and not train & evaluation
+
+
+def test_smollm2_reuses_its_empty_output_token_as_the_mask(smollm2: LoadedModel) -> None:
+    mask = choose_mask_token(smollm2.model.args, smollm2.tokenizer)
+    assert mask == 16 and smollm2.tokenizer.decode([mask]) == "<empty_output>"  # no spare row to use
+
+
+# ---------------------------------------------------------------- the command line and its output
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    work = tmp_path_factory.mktemp("train")
+    prompts = work / "prompts.txt"
+    prompts.write_text("\n".join(["Hello there", "What is two plus two?", "Tell me about foxes.",
+                                  "Write code to add numbers.", "Why is the sky blue?", "Name three colours."]))
+    train_cli.main([
+        "--model", str(tiny_llama_dir), "--out", str(work / "out"), "--data", str(prompts), "--samples", "6",
+        "--max-new-tokens", "24", "--epochs", "2", "--batch-size", "2", "--micro-batch", "2",
+        "--block-size", str(BLOCK), "--layers", "2", "--taps", *map(str, TAPS), "--mask-token-id", str(MASK_ID),
+        "--anchors-per-seq", "8", "--cache-dir", str(work / "cache"), "--heldout-fraction", "0",
+        "--no-compile",
+    ])
+    return work / "out"
+
+
+def test_trained_drafter_loads_and_drafts(trained_dir: Path, tiny_llama: LoadedModel) -> None:
+    config = json.loads((trained_dir / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == config["dflash_config"]["block_size"] == BLOCK
+    assert config["dflash_config"]["target_layer_ids"] == list(TAPS)
+    assert config["rope_theta"] == tiny_llama.model.args.rope_theta
+    assert config["vocab_size"] == tiny_llama.model.args.vocab_size
+    assert all(v.dtype == mx.bfloat16 for v in mx.load(str(trained_dir / "model.safetensors")).values())
+    drafter = load_drafter(trained_dir, tiny_llama)
+    ctx = tiny_llama.model(mx.array([[7, 8, 9, 10]]), tap_layers=drafter.tap_layers).taps
+    logits = drafter(mx.array([[11] + [MASK_ID] * (BLOCK - 1)]), ctx, drafter.make_cache())
+    assert logits.shape == (1, BLOCK - 1, tiny_llama.model.args.vocab_size)
+    assert mx.all(mx.isfinite(logits)).item()
+
+
+def test_a_finished_run_refuses_to_restart_without_resume(trained_dir: Path, tiny_llama_dir: Path) -> None:
+    with pytest.raises(Exception, match="--resume"):
+        train_cli.main(["--model", str(tiny_llama_dir), "--out", str(trained_dir), "--data", "missing.txt",
+                        "--samples", "1", "--block-size", str(BLOCK), "--layers", "2", "--taps", *map(str, TAPS),
+                        "--mask-token-id", str(MASK_ID), "--cache-dir", str(trained_dir / "cache")])
+
+
+def test_exported_drafter_runs_the_same_in_official_dflash(trained_dir: Path, tiny_llama: LoadedModel) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("dflash")
+    from .reference.dflash_torch_reference import reference_drafter_hidden
+
+    drafter = load_drafter(trained_dir, tiny_llama)
+    ctx = tiny_llama.model(mx.array([[7, 8, 9, 10, 11]]), tap_layers=drafter.tap_layers).taps
+    block = [12] + [MASK_ID] * (BLOCK - 1)
+    ours = np.array(drafter.hidden(mx.array([block]), ctx, drafter.make_cache()))
+    noise = np.array(tiny_llama.model.embed(mx.array(block)))
+    official = reference_drafter_hidden(str(trained_dir), noise, np.array(ctx[0]), np.arange(5 + BLOCK))
+    np.testing.assert_allclose(ours, official, atol=1e-4)  # every tensor loaded, none left at random init
