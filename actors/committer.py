@@ -110,8 +110,17 @@ class Committer(Actor):
     def cancel(self, request_id: str) -> None:
         request = self.requests.get(request_id)
         if request is not None:
-            self._log_finish(request_id, request, "cancelled")
+            self._log_finish(request_id, request, "cancelled", discarded=self._rounds_in_flight(request_id, request))
             self.forget(request_id)
+
+    def _rounds_in_flight(self, request_id: str, request: CommitterRequest) -> int:
+        """Rounds the drafter started past the last committed one: what finishing now discards.
+
+        Taken before the finishing acks go out, since they make the drafter forget the request.
+        """
+        assert self.drafter is not None
+        drafting = self.drafter.requests.get(request_id)
+        return drafting.next_round - request.rounds if drafting is not None else 0
 
     async def _first_token(self, request_id: str, request: CommitterRequest) -> None:
         assert self.verifier is not None
@@ -184,6 +193,7 @@ class Committer(Actor):
 
     async def _emit(self, request_id: str, request: CommitterRequest, emission: Emission, round: int, kv: int, ctx: int) -> None:
         finished = emission.finish_reason is not None
+        discarded = self._rounds_in_flight(request_id, request) if finished else 0
         for inbox in self.acks:
             await inbox.send(RoundAck(request_id=request_id, round=round, finished=finished, target_kv=kv,
                                       drafter_ctx=ctx, generated=len(request.stream.token_ids)))
@@ -193,23 +203,25 @@ class Committer(Actor):
                            timings=self._timings(request) if finished else {},
                            stats=self._stats(request) if finished else {})
         if finished:
-            self._log_finish(request_id, request, emission.finish_reason or "stop")
+            self._log_finish(request_id, request, emission.finish_reason or "stop", discarded=discarded)
             self.forget(request_id, last=event)
         elif not self._deliver(request, event):
             self.cancel(request_id)
 
     async def _finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None) -> None:
+        discarded = self._rounds_in_flight(request_id, request)
         for inbox in self.acks:
             await inbox.send(RoundAck(request_id=request_id, round=request.rounds, finished=True))
-        self._log_finish(request_id, request, reason, error)
+        self._log_finish(request_id, request, reason, error, discarded)
         last = TokenEvent(request_id=request_id, token_ids=[], text="", finish_reason=reason,
                           usage=self._usage(request), error=error)
         self.forget(request_id, last=last)
 
-    def _log_finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None) -> None:
+    def _log_finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None,
+                    discarded: int = 0) -> None:
         self.log(FinishRecord(request_id=request_id, time=time.time(), finish_reason=reason,
                               token_ids=list(request.stream.token_ids), text=request.stream.text,
-                              rounds=request.rounds, error=error))
+                              rounds=request.rounds, error=error, discarded_rounds=discarded))
 
     @staticmethod
     def _usage(request: CommitterRequest) -> Usage:

@@ -65,6 +65,9 @@ class FinishRecord(Record, tag="finish"):
     text: str
     rounds: int
     error: str | None = None
+    # speculative rounds the drafter had started after the last committed one (work the
+    # finish threw away); None: not logged by this committer
+    discarded_rounds: int | None = None
 
 
 LogRecord = RequestRecord | RoundRecord | FinishRecord

@@ -25,7 +25,7 @@ from protocol import ActorMessage, Admit, GenerationParams, ModelIdentity, Reque
 
 from .defaults import default_model_path
 from .drafters import resolve_drafter
-from .loading import LoadedModel, load_target
+from .loading import LoadedModel, hash_folder, load_target
 from .logs import RunLog
 from .models.dflash import DFlashDrafter
 from .speculative import block_size_for
@@ -62,7 +62,7 @@ class Engine:
         identity = None
         if draft is not None and not str(draft).startswith("random:"):
             path = Path(draft)
-            identity = ModelIdentity(path.name, str(path), "dflash", _hash_folder(path))
+            identity = ModelIdentity(path.name, str(path), "dflash", hash_folder(path))
         return cls(target, drafter, mode=mode, log=log, drafter_identity=identity)
 
     # ------------------------------------------------------------------ lifecycle
@@ -172,9 +172,3 @@ class Engine:
             prompt_ids=admit.prompt_ids, mode=self.mode, block_size=block_size_for(self.drafter, params),
             n_taps=len(self.drafter.tap_layers), hidden_size=self.target.model.args.hidden_size,
         ))
-
-
-def _hash_folder(path: Path) -> str:
-    from .loading import hash_files
-
-    return hash_files(p for p in path.iterdir() if p.is_file())

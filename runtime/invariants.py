@@ -18,7 +18,7 @@ class InvariantError(RuntimeErrorBase):
 
     def __init__(self, message: str, state: dict[str, Any]) -> None:
         super().__init__(f"{self.invariant} invariant violated: {message} (round state: {state})")
-        self.state = state
+        self.detail, self.state = message, state
 
 
 class LagViolation(InvariantError):

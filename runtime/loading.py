@@ -79,6 +79,11 @@ def hash_files(files: Iterable[Path]) -> str:
     return digest.hexdigest()
 
 
+def hash_folder(folder: Path) -> str:
+    """sha256 over a checkpoint folder's files (how logs name a drafter's exact weights)."""
+    return hash_files(p for p in folder.iterdir() if p.is_file())
+
+
 def _progress(total_bytes: int, desc: str) -> tqdm:
     """A byte-counting bar on stderr, shown only on a terminal and for large checkpoints."""
     return tqdm(
