@@ -67,7 +67,10 @@ class DeviceKVCache:
     queued, so the write position (``length``) is a device scalar: each append writes at
     ``length`` with ``slice_update`` and attention masks keys at or past the valid end.
     ``bound`` is the host's upper bound on ``length`` (every write could be kept); it sizes
-    the buffer and the key slice, and ``settle`` tightens it once the true length is read.
+    the buffer, and ``settle`` tightens it once the true length is read. Attention reads
+    the whole buffer (``extent``, a multiple of GROWTH_STEP) under the mask, so key shapes
+    change only when the buffer grows: backends that build a kernel or graph per shape
+    (cuDNN attention on CUDA) then build a handful per request, not one per round.
     """
 
     def __init__(self) -> None:
@@ -91,25 +94,28 @@ class DeviceKVCache:
         self.keys = grow_k if self.keys is None else mx.concatenate([self.keys, grow_k], axis=2)
         self.values = grow_v if self.values is None else mx.concatenate([self.values, grow_v], axis=2)
 
-    def write(self, keys: mx.array, values: mx.array) -> int:
-        """Write ``keys/values [B, H, L, D]`` at the device length; returns the key extent."""
+    @property
+    def extent(self) -> int:
+        """Buffer rows attention reads (valid or not): constant between growths."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Write ``keys/values [B, H, L, D]`` at the device length."""
         length = keys.shape[2]
-        end = self.bound + length
-        self._ensure_capacity(keys, values, end)
+        self._ensure_capacity(keys, values, self.bound + length)
         start = self.length.reshape(1)
         self.keys = mx.slice_update(self.keys, keys, start_indices=start, axes=(2,))
         self.values = mx.slice_update(self.values, values, start_indices=start, axes=(2,))
         self._unsettled.append(length)
-        self.bound = end
-        return end
+        self.bound += length
 
     def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Write at ``length``; causal mask over keys ``[0, bound)``, valid ones only."""
-        end = self.write(keys, values)
+        """Write at ``length``; the causal mask over the whole buffer admits valid keys only."""
+        self.write(keys, values)
         query_pos = self.length + mx.arange(keys.shape[2])
-        mask = mx.arange(end)[None, :] <= query_pos[:, None]
+        mask = mx.arange(self.extent)[None, :] <= query_pos[:, None]
         assert self.keys is not None and self.values is not None
-        return self.keys[..., :end, :], self.values[..., :end, :], mask
+        return self.keys, self.values, mask
 
     def advance(self, n: mx.array | int) -> None:
         """Keep ``n`` of the positions written last (lazy): the rest lie past the valid end."""

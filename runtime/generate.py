@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from .cli import add_model_arguments, add_sampling_arguments, params_from_args, print_json, run_cli
-from .defaults import default_model_path
+from .defaults import default_drafter_path, default_model_path
 from .loading import load_target
 from .drafters import resolve_drafter
 from .plain import GenerationResult, generate_plain, run_to_end
@@ -23,7 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--prompt", help="raw prompt text, fed as is")
     add_model_arguments(parser)
     add_sampling_arguments(parser)
-    parser.add_argument("--draft", help="DFlash drafter folder (z-lab format), or random:L; default: plain decoding")
+    parser.add_argument("--draft", help="DFlash drafter folder (z-lab format), random:L, or none for plain decoding "
+                        "(default: the bundled drafter when the model is the default one, else none)")
     parser.add_argument("--block-size", type=int, default=None, help="speculative block (default: the drafter's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser.parse_args(argv)
@@ -46,15 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     prompt_ids = tok.encode(text, add_special_tokens=args.chat is None)
     params = params_from_args(args, block_size=args.block_size)
     stats = SpeculativeStats()
-    if args.draft:
-        drafter = resolve_drafter(args.draft, loaded)
+    draft = args.draft or ("none" if args.model or default_drafter_path() is None else None)
+    if draft != "none":
+        drafter = resolve_drafter(draft, loaded)
         emissions = generate_speculative(loaded.model, drafter, tok, prompt_ids, params, stats)
     else:
         emissions = generate_plain(loaded.model, tok, prompt_ids, params)
     if not args.json:
         emissions = _echo(emissions)
     result = run_to_end(emissions, len(prompt_ids))
-    if args.draft:
+    if draft != "none":
         result.stats = stats.summary(block_size_for(drafter, params))
     if args.json:
         print_json(result_json(result))

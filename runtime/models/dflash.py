@@ -214,10 +214,10 @@ class DrafterAttention(nn.Module):
         if h_ctx is not None and h_ctx.shape[1]:
             cache.write(*self.context_kv(h_ctx, cache.length))
             cache.advance(keep if keep is not None else h_ctx.shape[1])
-        anchor_pos, extent = cache.length, cache.bound
+        anchor_pos, extent = cache.length, cache.extent
         ctx_kv = None
         if extent and cache.keys is not None and cache.values is not None:
-            ctx_kv = (cache.keys[..., :extent, :], cache.values[..., :extent, :])
+            ctx_kv = (cache.keys, cache.values)
         mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window, ctx_extent=extent)
         return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
 
