@@ -1,0 +1,43 @@
+"""The bundled SmolLM2-135M drafter, on the real default target, on the CPU.
+
+tests/data/heldout_math_prompts.jsonl was written by hand for this test, so no training
+run has seen it. The drafter must draft usefully (tau above 2) and exactly: every
+output equals plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from protocol import GenerationParams
+from runtime.bench import read_prompts, run_dflash, run_plain
+from runtime.defaults import default_drafter_path
+from runtime.loading import LoadedModel, load_drafter
+
+PROMPTS = Path(__file__).parent / "data" / "heldout_math_prompts.jsonl"
+MIN_TAU = 2.0
+
+
+def test_bundled_drafter_is_a_z_lab_checkpoint_within_the_size_limit() -> None:
+    path = default_drafter_path()
+    assert path is not None, "the checkout must bundle runtime/drafters/smollm2-135m-dflash"
+    assert (path / "model.safetensors").stat().st_size <= 25 * 1024 * 1024
+
+
+@pytest.mark.xfail(strict=True, reason="the first bundled drafter (6 epochs, 7.4k sequences) reaches tau 1.83 here; "
+                   "issue 5 stays open until a retrained one passes (strict: passing then must drop this mark)")
+def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smollm2: LoadedModel) -> None:
+    path = default_drafter_path()
+    if path is None:
+        pytest.fail("no bundled drafter")
+    drafter = load_drafter(path, smollm2)
+    accepted, rounds = 0, 0
+    for _, ids in read_prompts(PROMPTS, smollm2):
+        params = GenerationParams(max_tokens=64)
+        result, stats = run_dflash(smollm2, drafter, ids, params)
+        assert result.token_ids == run_plain(smollm2, ids, params).token_ids
+        accepted += sum(r.facts.accepted + 1 for r in stats.rounds)
+        rounds += len(stats.rounds)
+    assert accepted / rounds > MIN_TAU
