@@ -20,7 +20,7 @@ from runtime.cache import DeviceKVCache
 from runtime.models.dflash import DFlashDrafter
 from runtime.speculative import block_size_for
 
-from .mailbox import Actor
+from .mailbox import DeviceStateOwner
 
 if TYPE_CHECKING:
     from .verifier import Verifier
@@ -46,31 +46,23 @@ class DrafterRequest:
     outputs: dict[int, DraftOutputs] = field(default_factory=dict)
 
 
-class Drafter(Actor):
+class Drafter(DeviceStateOwner[DrafterRequest]):
     name = "drafter"
 
     def __init__(self, drafter: DFlashDrafter, inbox: ObjectReceiveStream[ActorMessage], lookahead: int) -> None:
         super().__init__(inbox)
         self.drafter = drafter
         self.lookahead = lookahead  # rounds drafted beyond the last acknowledged one: 0 or 1
-        self.requests: dict[str, DrafterRequest] = {}
         self.verifier_inbox: ObjectSendStream[ActorMessage] | None = None
         self.verifier: Verifier | None = None
 
     def outputs(self, request_id: str, round: int) -> DraftOutputs:
-        return self.requests[request_id].outputs[round]
+        return super().outputs(request_id, round)
 
     def will_draft(self, request_id: str, round: int) -> bool:
         """Whether ``round`` will still be drafted for the request (it is not past max_tokens)."""
         request = self.requests.get(request_id)
         return request is not None and request.next_round <= round and self._block_for(request, round) >= 1
-
-    def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
-    @property
-    def cache_bytes(self) -> int:
-        return sum(c.nbytes for r in self.requests.values() for c in r.cache)
 
     async def handle(self, message: ActorMessage) -> None:
         if isinstance(message, Admit):

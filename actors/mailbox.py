@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import traceback
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -50,3 +50,31 @@ class Actor:
             raise exc
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         await self.failures.send(Failed(request_id=request_id, error=f"{self.name}: {detail}", kind=type(exc).__name__))
+
+
+class OwnedRequest(Protocol):
+    """Per-request device state: caches, and the outputs of rounds not yet consumed."""
+
+    cache: list[Any]
+    outputs: dict[int, Any]
+
+
+RequestT = TypeVar("RequestT", bound=OwnedRequest)
+
+
+class DeviceStateOwner(Actor, Generic[RequestT]):
+    """An actor that owns requests' device state; others read its round outputs by handle."""
+
+    def __init__(self, inbox: ObjectReceiveStream[ActorMessage]) -> None:
+        super().__init__(inbox)
+        self.requests: dict[str, RequestT] = {}
+
+    def outputs(self, request_id: str, round: int) -> Any:
+        return self.requests[request_id].outputs[round]
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for r in self.requests.values() for c in r.cache)

@@ -23,7 +23,7 @@ from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
 
-from .mailbox import Actor
+from .mailbox import DeviceStateOwner
 
 if TYPE_CHECKING:
     from .drafter import Drafter
@@ -50,30 +50,22 @@ class VerifierRequest:
     outputs: dict[int, RoundOutputs] = field(default_factory=dict)
 
 
-class Verifier(Actor):
+class Verifier(DeviceStateOwner[VerifierRequest]):
     name = "verifier"
 
     def __init__(self, target: DecoderModel, tap_layers: tuple[int, ...], inbox: ObjectReceiveStream[ActorMessage]) -> None:
         super().__init__(inbox)
         self.target, self.tap_layers = target, tap_layers
-        self.requests: dict[str, VerifierRequest] = {}
         self.committer: ObjectSendStream[ActorMessage] | None = None
         self.drafter_inbox: ObjectSendStream[ActorMessage] | None = None
         self.drafter: Drafter | None = None
 
     def outputs(self, request_id: str, round: int) -> RoundOutputs:
-        return self.requests[request_id].outputs[round]
+        return super().outputs(request_id, round)
 
     def has_round(self, request_id: str, round: int) -> bool:
         request = self.requests.get(request_id)
         return request is not None and round in request.outputs
-
-    def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
-    @property
-    def cache_bytes(self) -> int:
-        return sum(c.nbytes for r in self.requests.values() for c in r.cache)
 
     async def handle(self, message: ActorMessage) -> None:
         assert self.committer is not None and self.drafter_inbox is not None

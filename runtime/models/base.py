@@ -42,6 +42,29 @@ class DecoderArgs:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
 
+def decoder_args_from_hf(config: dict[str, Any], model_type: str, *, rope_theta: float,
+                         max_position_embeddings: int, qk_norm: bool) -> DecoderArgs:
+    """DecoderArgs from an HF config.json; families differ only in defaults and QK-norm."""
+    heads = config["num_attention_heads"]
+    return DecoderArgs(
+        model_type=model_type,
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        vocab_size=config["vocab_size"],
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=config.get("rope_theta", rope_theta),
+        rope_scaling=config.get("rope_scaling"),
+        head_dim=config.get("head_dim"),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        max_position_embeddings=config.get("max_position_embeddings", max_position_embeddings),
+        qk_norm=qk_norm,
+        attention_bias=config.get("attention_bias", False),
+    )
+
+
 class ForwardOutput(NamedTuple):
     """Logits ``[B, L, V]`` and, when asked, the tapped layer outputs ``[B, L, n_taps*H]``."""
 

@@ -5,27 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import DecoderArgs
+from .base import DecoderArgs, decoder_args_from_hf
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MODEL_TYPES = ("llama", "mistral")
 
 
 def args_from_config(config: dict[str, Any]) -> DecoderArgs:
-    return DecoderArgs(
-        model_type="llama",
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        vocab_size=config["vocab_size"],
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=config.get("rope_theta", 10000.0),
-        rope_scaling=config.get("rope_scaling"),
-        head_dim=config.get("head_dim"),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        attention_bias=config.get("attention_bias", False),
-    )
-
+    return decoder_args_from_hf(config, "llama", rope_theta=10000.0, max_position_embeddings=4096, qk_norm=False)
