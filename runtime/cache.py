@@ -11,6 +11,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 GROWTH_STEP = 256
+ATTENTION_BUCKET = 64  # multi-token attention reads keys in whole buckets: few distinct shapes
+
+
+def bucketed(length: int, capacity: int) -> int:
+    """``length`` rounded up to a whole bucket, within the buffer."""
+    return min(capacity, -(-length // ATTENTION_BUCKET) * ATTENTION_BUCKET)
 
 
 class KVCache:
@@ -42,10 +48,23 @@ class KVCache:
         self.offset = end
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, str | None]:
-        """Append, and return what causal attention over the valid keys needs."""
+    def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
+        """Append, and return what causal attention over the valid keys needs.
+
+        One query reads the valid keys only. Several queries (a prefill, a verified block)
+        read keys in whole buckets under a mask, so their key shape changes once every
+        ATTENTION_BUCKET positions: per-shape attention kernels (cuDNN on CUDA) are then
+        built a few times per request rather than once per round.
+        """
+        start = self.offset
         k, v = self.update_and_fetch(keys, values)
-        return k, v, "causal" if keys.shape[2] > 1 else None
+        if keys.shape[2] == 1:
+            return k, v, None
+        assert self.keys is not None and self.values is not None
+        extent = bucketed(self.offset, self.keys.shape[2])
+        query_pos = start + mx.arange(keys.shape[2])
+        mask = mx.arange(extent)[None, :] <= query_pos[:, None]
+        return self.keys[..., :extent, :], self.values[..., :extent, :], mask
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` positions; returns how many were actually dropped."""
@@ -68,9 +87,9 @@ class DeviceKVCache:
     ``length`` with ``slice_update`` and attention masks keys at or past the valid end.
     ``bound`` is the host's upper bound on ``length`` (every write could be kept); it sizes
     the buffer, and ``settle`` tightens it once the true length is read. Attention reads
-    the whole buffer (``extent``, a multiple of GROWTH_STEP) under the mask, so key shapes
-    change only when the buffer grows: backends that build a kernel or graph per shape
-    (cuDNN attention on CUDA) then build a handful per request, not one per round.
+    ``extent`` keys (the bound in whole ATTENTION_BUCKETs) under the mask, so key shapes
+    change once per bucket: backends that build a kernel or graph per shape (cuDNN
+    attention on CUDA) then build a few per request, not one per round.
     """
 
     def __init__(self) -> None:
@@ -96,8 +115,8 @@ class DeviceKVCache:
 
     @property
     def extent(self) -> int:
-        """Buffer rows attention reads (valid or not): constant between growths."""
-        return 0 if self.keys is None else self.keys.shape[2]
+        """Buffer rows attention reads (valid or not): the bound in whole buckets."""
+        return 0 if self.keys is None else bucketed(self.bound, self.keys.shape[2])
 
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Write ``keys/values [B, H, L, D]`` at the device length."""
@@ -115,7 +134,7 @@ class DeviceKVCache:
         query_pos = self.length + mx.arange(keys.shape[2])
         mask = mx.arange(self.extent)[None, :] <= query_pos[:, None]
         assert self.keys is not None and self.values is not None
-        return self.keys, self.values, mask
+        return self.keys[..., : self.extent, :], self.values[..., : self.extent, :], mask
 
     def advance(self, n: mx.array | int) -> None:
         """Keep ``n`` of the positions written last (lazy): the rest lie past the valid end."""

@@ -217,7 +217,7 @@ class DrafterAttention(nn.Module):
         anchor_pos, extent = cache.length, cache.extent
         ctx_kv = None
         if extent and cache.keys is not None and cache.values is not None:
-            ctx_kv = (cache.keys, cache.values)
+            ctx_kv = (cache.keys[..., :extent, :], cache.values[..., :extent, :])
         mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window, ctx_extent=extent)
         return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
 
