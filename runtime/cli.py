@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from protocol import GenerationParams
@@ -47,7 +46,3 @@ def run_cli(main: Any) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
-
-
-def existing_path(value: str) -> Path:
-    return Path(value).expanduser()

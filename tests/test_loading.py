@@ -21,7 +21,7 @@ PROMPT = [[5, 17, 42, 99, 3, 250, 7, 11]]
 def reference_logits(config: dict, weights: dict[str, np.ndarray], tokens: list[list[int]]) -> np.ndarray:
     """An independent float64 numpy forward of the Llama/Qwen3 architecture."""
     x = weights["model.embed_tokens.weight"][np.array(tokens[0])].astype(np.float64)
-    h, nq, nkv, hd = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    nq, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     eps, theta, n = config["rms_norm_eps"], config["rope_theta"], x.shape[0]
 
     def rms(v: np.ndarray, w: np.ndarray) -> np.ndarray:
