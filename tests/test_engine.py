@@ -179,3 +179,15 @@ def test_round_logs_record_every_round_and_rebuild_the_output(tiny_llama: Loaded
     assert [first] + [t for r in rounds for t in r.committed][: len(ids) - 1] == ids
     assert all(r.verify_queued >= r.draft_queued for r in rounds)
     assert parsed[-1].token_ids == ids
+
+
+def test_seeded_sampling_gives_the_same_output_in_both_modes(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    params = GenerationParams(max_tokens=24, temperature=1.5, top_p=0.95, seed=7, block_size=4)
+
+    async def outputs(mode: str) -> list[list[int]]:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
+            return [(await collect(engine, p, params))[0] for p in PROMPTS[:4]]
+
+    sequential = run(lambda: outputs("sequential"))
+    assert run(lambda: outputs("pipelined")) == sequential
+    assert run(lambda: outputs("sequential")) == sequential  # and reproducible
