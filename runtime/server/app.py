@@ -1,0 +1,474 @@
+"""The FastAPI app: OpenAI-compatible completions over one embedded :class:`Engine`.
+
+``create_app(engine, settings)`` takes an engine that is not yet started: the app's
+lifespan enters it (``async with engine``) in the server's own event loop, warms it up
+with a short greedy generation, and only then reports ``/health`` 200. On shutdown it
+stops admitting (503 + Retry-After), drains the running requests, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from protocol import GenerationParams, TokenEvent
+
+from ..engine import Engine
+from ..errors import ContextLengthError, RequestError, RuntimeErrorBase
+from ..plain import check_context
+from ..sampling import check_params
+from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .schemas import ChatCompletionRequest, CompletionRequest, error_body
+
+MAX_STOP_STRINGS = 16
+MAX_BLOCK_SIZE = 64
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class ServerSettings:
+    model_name: str | None = None  # the id clients pass as ``model``; None: the target's name
+    max_concurrent: int = 8        # generations running at once in the engine
+    max_queue: int = 64            # requests waiting for a slot; beyond: 429
+    retry_after_s: int = 1
+    default_max_tokens: int = 256  # when a request names none (capped by the context)
+    block_size: int | None = None  # default speculative block; None: the drafter's
+    warmup: bool = True
+    drain_timeout_s: float = 30.0
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers)
+
+
+class Admission:
+    """At most ``max_concurrent`` generations at once and ``max_queue`` waiting; no new ones while draining."""
+
+    def __init__(self, max_concurrent: int, max_queue: int, metrics: Metrics, retry_after_s: int) -> None:
+        self.max_concurrent, self.max_queue, self.metrics = max_concurrent, max_queue, metrics
+        self.retry_after = str(retry_after_s)
+        self.running = self.waiting = 0
+        self.draining = False
+        self._slots = anyio.Semaphore(max_concurrent)
+
+    async def acquire(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another instance", type_="server_unavailable",
+                           headers={"Retry-After": self.retry_after})
+        if self._slots.value == 0 and self.waiting >= self.max_queue:
+            raise APIError(429, f"too many requests: {self.running} running and {self.waiting} queued "
+                           f"(limits {self.max_concurrent} + {self.max_queue})", type_="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": self.retry_after})
+        self.waiting += 1
+        self.metrics.queued.set(self.waiting)
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+            self.metrics.queued.set(self.waiting)
+        self.running += 1
+        self.metrics.running.set(self.running)
+
+    def release(self) -> None:
+        self.running -= 1
+        self.metrics.running.set(self.running)
+        self._slots.release()
+
+    async def wait_idle(self, timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            while self.running or self.waiting:
+                await anyio.sleep(0.02)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool")))]
+    return ".".join(parts) or None
+
+
+def _parse(model: type, body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"malformed JSON body: {err['msg']}") from None
+        loc = tuple(err["loc"])
+        if not loc:
+            raise APIError(400, "the request body must be a JSON object") from None
+        param = _param(loc)
+        if err["type"] == "missing":
+            raise APIError(400, f"{param} is required", param=param) from None
+        value = err.get("input")
+        shown = json.dumps(value)[:80] if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+        raise APIError(400, f"{param}: {err['msg']} (got {shown})", param=param) from None
+
+
+class _SSE(Response):
+    """Server-sent events driven by ``run(send_event, receive)``; the client's disconnect is watched for."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, run: Callable[[Callable[[Any], Awaitable[None]], Any], Awaitable[None]]) -> None:
+        self.status_code, self.background = 200, None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+        async def event(obj: Any) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+
+        if await self.run(event, receive):
+            try:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                pass
+
+
+class Server:
+    """State shared by the routes of one app."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine, self.settings = engine, settings
+        self.metrics = Metrics()
+        self.admission = Admission(settings.max_concurrent, settings.max_queue, self.metrics, settings.retry_after_s)
+        self.ready = False
+        self.created = int(time.time())
+        self.model_name = settings.model_name or engine.target.name
+
+    # ---------------------------------------------------------------- requests
+
+    def check_common(self, req: Any) -> None:
+        if req.model != self.model_name:
+            raise APIError(400, f"unknown model {req.model!r}; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        if req.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+        if req.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (must be 0)", param=name)
+
+    def params(self, req: Any, prompt_ids: list[int], prompt_field: str) -> GenerationParams:
+        limit = self.engine.target.model.args.max_position_embeddings
+        tokens_field = "max_tokens" if req.max_tokens is not None or req.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.settings.default_max_tokens, limit - len(prompt_ids)))
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+            raise APIError(400, f"seed must be in [0, 2**63 - 1], got {req.seed}", param="seed")
+        block = req.block_size if req.block_size is not None else self.settings.block_size
+        if block is not None and block > MAX_BLOCK_SIZE:
+            raise APIError(400, f"block_size must be at most {MAX_BLOCK_SIZE}, got {block}", param="block_size")
+        params = GenerationParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
+            block_size=block)
+        try:
+            check_params(params)
+        except RequestError as exc:
+            field = tokens_field if exc.field == "max_tokens" else exc.field
+            raise APIError(400, str(exc).replace("max_tokens", field, 1), param=field) from None
+        try:
+            check_context(self.engine.target.model, len(prompt_ids), max_tokens)
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=prompt_field, code="context_length_exceeded") from None
+        return params
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            return self.engine.encode(messages)
+        except RuntimeErrorBase as exc:
+            raise APIError(400, f"could not render the chat template: {exc}", param="messages") from None
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (batched prompts are not supported)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.engine.encode(prompt)
+        vocab = self.engine.target.model.args.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    # ---------------------------------------------------------------- generation
+
+    async def drive(self, prompt_ids: list[int], params: GenerationParams, receive: Any,
+                    on_event: Callable[[TokenEvent], Awaitable[None]]) -> TokenEvent | None:
+        """Run one generation; the final event, or None when the client went away (request cancelled)."""
+        disconnected = False
+        last: TokenEvent | None = None
+        start = time.perf_counter()
+        first = True
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                nonlocal disconnected
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        disconnected = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            events = self.engine.generate(prompt_ids, params)
+            try:
+                async for event in events:
+                    if first and event.token_ids:
+                        first = False
+                        self.metrics.ttft.observe(time.perf_counter() - start)
+                    self.metrics.generated_tokens.inc(len(event.token_ids))
+                    if event.finish_reason is not None:
+                        last = event
+                    try:
+                        await on_event(event)
+                    except OSError:
+                        disconnected = True
+                        break
+                    if last is not None:
+                        break
+            finally:
+                await events.aclose()  # ends the engine request at once when it has not finished
+            tg.cancel_scope.cancel()
+        if disconnected and last is None:
+            self.metrics.observe_finish("cancelled", {})
+            return None
+        if last is not None:
+            self.metrics.observe_finish(last.finish_reason or "stop", dict(last.stats))
+        return last
+
+    async def warm_up(self) -> None:
+        ids = self.engine.encode("Hello") or [0]
+        async for event in self.engine.generate(ids, GenerationParams(max_tokens=4, temperature=0.0)):
+            if event.finish_reason == "error":
+                raise RuntimeError(f"warm-up generation failed: {event.error}")
+
+
+def _usage(event: TokenEvent | None) -> dict[str, int] | None:
+    if event is None or event.usage is None:
+        return None
+    u = event.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+def _server_error(event: TokenEvent) -> APIError:
+    return APIError(500, f"generation failed: {event.error}", type_="server_error")
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    server = Server(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with engine:
+            if settings.warmup:
+                await server.warm_up()
+            server.ready = True
+            try:
+                yield
+            finally:
+                server.admission.draining = True
+                await server.admission.wait_idle(settings.drain_timeout_s)
+                server.ready = False
+
+    app = FastAPI(title="dflash-runtime", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+
+    async def handle(request: Request, endpoint: str, chat: bool) -> Response:
+        try:
+            body = await request.body()
+            req = _parse(ChatCompletionRequest if chat else CompletionRequest, body)
+            server.check_common(req)
+            prompt_ids = server.chat_prompt(req) if chat else server.completion_prompt(req)
+            params = server.params(req, prompt_ids, "messages" if chat else "prompt")
+            await server.admission.acquire()
+        except APIError as exc:
+            server.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            return exc.response()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        base = {"id": rid, "created": created, "model": server.model_name}
+        if not req.stream:
+            return await complete(request, endpoint, chat, prompt_ids, params, base)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _SSE(lambda send, receive: stream(endpoint, chat, prompt_ids, params, base, include_usage, send, receive))
+
+    async def complete(request: Request, endpoint: str, chat: bool, prompt_ids: list[int], params: GenerationParams,
+                       base: dict[str, Any]) -> Response:
+        parts: list[str] = []
+
+        async def on_event(event: TokenEvent) -> None:
+            parts.append(event.text)
+
+        try:
+            last = await server.drive(prompt_ids, params, request.receive, on_event)
+        finally:
+            server.admission.release()
+        if last is None:
+            server.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        if last.finish_reason == "error":
+            server.metrics.requests.labels(endpoint, "500").inc()
+            return _server_error(last).response()
+        server.metrics.requests.labels(endpoint, "200").inc()
+        text = "".join(parts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": last.finish_reason}
+            obj = {**base, "object": "chat.completion", "choices": [choice]}
+        else:
+            obj = {**base, "object": "text_completion", "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}]}
+        obj["usage"] = _usage(last)
+        obj["dflash"] = {"stats": dict(last.stats), "timings": dict(last.timings)}
+        return JSONResponse(obj)
+
+    async def stream(endpoint: str, chat: bool, prompt_ids: list[int], params: GenerationParams, base: dict[str, Any],
+                     include_usage: bool, send: Callable[[Any], Awaitable[None]], receive: Any) -> bool:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            obj = {**base, "object": kind, "choices": [choice]}
+            if include_usage:
+                obj["usage"] = None
+            return obj
+
+        async def on_event(event: TokenEvent) -> None:
+            if event.finish_reason == "error":
+                await send(error_body(f"generation failed: {event.error}", "server_error"))
+                return
+            if event.text:
+                await send(chunk(event.text, None))
+            if event.finish_reason is not None:
+                await send(chunk(None if chat else "", event.finish_reason))
+
+        try:
+            if chat:
+                try:
+                    await send(chunk("", None, role=True))
+                except OSError:
+                    server.metrics.requests.labels(endpoint, "499").inc()
+                    server.metrics.observe_finish("cancelled", {})
+                    return False
+            last = await server.drive(prompt_ids, params, receive, on_event)
+        finally:
+            server.admission.release()
+        if last is None:
+            server.metrics.requests.labels(endpoint, "499").inc()
+            return False
+        server.metrics.requests.labels(endpoint, "500" if last.finish_reason == "error" else "200").inc()
+        try:
+            if include_usage:
+                await send({**base, "object": kind, "choices": [], "usage": _usage(last)})
+            await send("[DONE]")
+        except OSError:
+            return False
+        return True
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "chat", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completions", chat=False)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "dflash-runtime"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != server.model_name:
+            return APIError(404, f"unknown model {model_id!r}", param="model", code="model_not_found").response()
+        return JSONResponse(model_card())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if server.ready and not server.admission.draining:
+            return JSONResponse({"status": "ok", "model": server.model_name})
+        status = "draining" if server.admission.draining else "loading"
+        return JSONResponse({"status": status}, 503, headers={"Retry-After": str(settings.retry_after_s)})
+
+    async def engine_stats() -> dict[str, Any]:
+        stats = await engine.stats()
+        server.metrics.engine_live.set(stats.live_requests)
+        server.metrics.engine_cache.set(stats.cache_bytes)
+        return {"live_requests": stats.live_requests, "cache_bytes": stats.cache_bytes,
+                "discarded_rounds": stats.discarded_rounds}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await engine_stats()
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/internal/stats")
+    async def internal_stats() -> dict[str, Any]:
+        return {"running": server.admission.running, "queued": server.admission.waiting,
+                "draining": server.admission.draining, "ready": server.ready, "engine": await engine_stats()}
+
+    return app

@@ -1,0 +1,281 @@
+"""The HTTP server: a real uvicorn server in a thread, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from protocol import GenerationParams
+from runtime.engine import Engine
+from runtime.loading import LoadedModel
+from runtime.models.dflash import DFlashDrafter
+from runtime.server import ServerSettings, create_app
+
+MODEL = "tiny"
+CHAT = [[{"role": "user", "content": f"Hello number {i}, tell me about foxes."}] for i in range(8)]
+TEXT = [f"The quick brown fox {i}" for i in range(8)]
+
+
+async def _direct(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> dict[str, list[str]]:
+    async with Engine(tiny_llama, tiny_drafter) as engine:
+        async def text(prompt: Any, n: int) -> str:
+            return "".join([e.text async for e in engine.generate(prompt, GenerationParams(max_tokens=n))])
+        return {"chat": [await text(p, 24) for p in CHAT], "text": [await text(p, 24) for p in TEXT]}
+
+
+@pytest.fixture(scope="module")
+def direct(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> dict[str, list[str]]:
+    """What the engine gives directly (computed before the server thread exists)."""
+    return anyio.run(_direct, tiny_llama, tiny_drafter)
+
+
+class ServerThread:
+    def __init__(self, app: Any) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self.server.serve())
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def server(direct: Any, tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> Iterator[ServerThread]:
+    app = create_app(Engine(tiny_llama, tiny_drafter), ServerSettings(model_name=MODEL, max_concurrent=4, max_queue=16))
+    with ServerThread(app) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def metric(server: ServerThread, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_health_models_and_metrics(server: ServerThread) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = openai.OpenAI(base_url=server.url + "/v1", api_key="x").models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("dflash_requests_total", "dflash_generated_tokens_total", "dflash_time_to_first_token_seconds",
+                 "dflash_acceptance_length", "dflash_running_requests", "dflash_queue_depth", "dflash_rounds_total"):
+        assert name in text
+
+
+def test_greedy_chat_and_completions_equal_the_engine(client: openai.OpenAI, direct: dict[str, list[str]]) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT[0], max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == direct["chat"][0]
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    comp = client.completions.create(model=MODEL, prompt=TEXT[0], max_tokens=24, temperature=0)
+    assert comp.choices[0].text == direct["text"][0]
+    assert comp.usage is not None and comp.usage.completion_tokens > 0
+
+
+def test_streaming_with_usage(client: openai.OpenAI, direct: dict[str, list[str]]) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT[1], max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == direct["chat"][1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    plain = list(client.completions.create(model=MODEL, prompt=TEXT[1], max_tokens=24, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in plain) == direct["text"][1]
+    assert all(c.usage is None for c in plain)
+
+
+def test_stop_sequences(client: openai.OpenAI, direct: dict[str, list[str]]) -> None:
+    full = direct["text"][2]
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip())
+    out = client.completions.create(model=MODEL, prompt=TEXT[2], max_tokens=24, temperature=0, stop=[stop, "\x00zz"])
+    assert out.choices[0].text == full[:full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=TEXT[2], max_tokens=24, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full[:full.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    runs = [client.completions.create(model=MODEL, prompt=TEXT[3], max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+            .choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 99}, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"model": MODEL, "messages": "hi"}, "messages"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
+])
+def test_bad_requests_get_400_naming_the_field(server: ServerThread, body: dict[str, Any], param: str) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+def test_bad_requests_through_the_openai_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="nope", prompt="x")
+    assert info.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert info.value.body["param"] == "temperature"
+
+
+def test_malformed_json_and_non_objects(server: ServerThread) -> None:
+    for raw in (b"{not json", b"[1, 2]", b"", b'"text"'):
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (raw, r.text)
+
+
+def test_eight_concurrent_clients_get_their_one_at_a_time_outputs(server: ServerThread, direct: dict[str, list[str]]) -> None:
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        async def one(i: int) -> str:
+            if i % 2:
+                stream = await client.chat.completions.create(model=MODEL, messages=CHAT[i], max_tokens=24,
+                                                              temperature=0, stream=True)
+                return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            out = await client.chat.completions.create(model=MODEL, messages=CHAT[i], max_tokens=24, temperature=0)
+            return out.choices[0].message.content
+
+        async with client:
+            return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+    assert asyncio.run(main()) == direct["chat"]
+
+
+def _wait_idle(server: ServerThread) -> dict[str, Any]:
+    deadline = time.time() + 10
+    while True:
+        stats = httpx.get(server.url + "/v1/internal/stats").json()
+        if (stats["running"] == 0 and stats["engine"]["live_requests"] == 0) or time.time() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def test_disconnect_mid_stream_cancels_the_request(server: ServerThread) -> None:
+    before = metric(server, "dflash_finished_requests_total{reason=\"cancelled\"}")
+    body = {"model": MODEL, "prompt": TEXT[4], "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(line.startswith("data: ") for line in got)
+        running = httpx.get(server.url + "/v1/internal/stats").json()["running"]
+        assert running == 1
+    stats = _wait_idle(server)  # the connection is closed: the request must end at once
+    assert stats["running"] == 0 and stats["engine"]["live_requests"] == 0 and stats["engine"]["cache_bytes"] == 0
+    assert metric(server, "dflash_running_requests") == 0
+    assert metric(server, "dflash_finished_requests_total{reason=\"cancelled\"}") == before + 1
+
+
+def test_overload_gives_429_and_draining_gives_503(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    app = create_app(Engine(tiny_llama, tiny_drafter), ServerSettings(model_name=MODEL, max_concurrent=1, max_queue=0,
+                                                                      warmup=False))
+    with ServerThread(app) as srv:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0}
+        admission = app.state.server.admission
+        asyncio.run_coroutine_threadsafe(admission.acquire(), srv.loop).result(5)  # the one slot is taken
+        busy = httpx.post(srv.url + "/v1/completions", json=body)
+        assert busy.status_code == 429 and busy.headers["retry-after"] and busy.json()["error"]["type"] == "rate_limit_error"
+        assert metric(srv, 'dflash_requests_total{endpoint="completions",status="429"}') == 1
+        srv.loop.call_soon_threadsafe(admission.release)
+        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
+        _wait_idle(srv)
+        srv.loop.call_soon_threadsafe(setattr, app.state.server.admission, "draining", True)
+        time.sleep(0.05)
+        closing = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False})
+        assert closing.status_code == 503 and closing.headers["retry-after"]
+        assert httpx.get(srv.url + "/health").status_code == 503
+
+
+def test_random_and_malformed_requests_leave_the_server_healthy(server: ServerThread, client: openai.OpenAI,
+                                                                direct: dict[str, list[str]]) -> None:
+    rng = random.Random(0)
+    values = [None, 0, -1, 1.5, 10**30, "", "x" * 50, [], {}, [1, "a"], True, {"a": 1}, [{"role": "user"}]]
+    fields = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+              "stream", "stream_options", "n", "block_size", "logprobs"]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for i in range(200):
+            path = rng.choice(["/v1/completions", "/v1/chat/completions", "/v1/models", "/nope"])
+            kind = rng.random()
+            if kind < 0.2:
+                raw = bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+                r = http.post(path, content=raw, headers={"content-type": "application/json"})
+            else:
+                body: dict[str, Any] = {"model": MODEL, "max_tokens": 3}
+                body["messages" if "chat" in path else "prompt"] = ([{"role": "user", "content": "hi"}]
+                                                                    if "chat" in path else "hi")
+                for name in rng.sample(fields, rng.randrange(1, 4)):
+                    body[name] = rng.choice(values)
+                r = http.post(path, json=body)
+            assert r.status_code in (200, 400, 404, 405, 429), (body if kind >= 0.2 else raw, r.status_code, r.text)
+            if r.status_code != 200:
+                assert "error" in r.json()
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert _wait_idle(server)["engine"]["live_requests"] == 0
+    out = client.chat.completions.create(model=MODEL, messages=CHAT[0], max_tokens=24, temperature=0)
+    assert out.choices[0].message.content == direct["chat"][0]
+
+
+def test_shutdown_lets_a_running_stream_finish(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    app = create_app(Engine(tiny_llama, tiny_drafter), ServerSettings(model_name=MODEL, warmup=False))
+    srv = ServerThread(app).__enter__()
+    body = {"model": MODEL, "prompt": TEXT[5], "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        srv.server.should_exit = True  # uvicorn stops listening; the lifespan then drains and stops the engine
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+    srv.thread.join(30)
+    assert not srv.thread.is_alive()
+    assert app.state.server.admission.draining and app.state.server.admission.running == 0
