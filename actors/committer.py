@@ -19,7 +19,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import (ActorMessage, Admit, Failed, FinishRecord, Prefilled, RoundAck, RoundRecord,
                       TokenEvent, Usage, Verified)
-from runtime.invariants import InvariantError, RoundAuditor, RoundFacts
+from runtime.invariants import InvariantError, RoundAuditor, RoundFacts, recorded_facts
 from runtime.sampling import is_greedy
 from runtime.stopping import Emission, TextStream
 from runtime.tokenizer import Tokenizer
@@ -134,17 +134,19 @@ class Committer(Actor):
         out = self.verifier.outputs(message.request_id, message.round)
         drafted = self.drafter.outputs(message.request_id, message.round)
         assert out.verdict is not None
-        mx.eval(out.verdict.accepted, out.verdict.bonus, out.verdict.target_tokens, out.kv_after, drafted.drafts, out.taps)
+        mx.eval(out.verdict.accepted, out.verdict.bonus, out.verdict.target_tokens, out.keep, out.kv_before,
+                out.kv_after, drafted.drafts, drafted.ctx_before, drafted.ctx_after, out.taps)
         ready = time.perf_counter()
         a = int(out.verdict.accepted.item())
         drafts = drafted.drafts.tolist()
-        target_tokens = out.verdict.target_tokens.tolist()
+        kv_before = int(out.kv_before.item())
         facts = RoundFacts(
-            round=message.round, anchor_pos=int(out.kv_before.item()), block_size=message.block_size,
-            drafts=drafts, target_tokens=target_tokens, accepted=a, committed=drafts[:a] + [int(out.verdict.bonus.item())],
-            committed_before=request.auditor.committed, target_kv_before=int(out.kv_before.item()),
-            target_kv_after=int(out.kv_after.item()), drafter_ctx_before=int(drafted.ctx_before.item()),
-            drafter_ctx_after=int(drafted.ctx_after.item()), new_ctx_rows=int(out.verdict.accepted.item()) + 1,
+            round=message.round, anchor_pos=kv_before, block_size=message.block_size, drafts=drafts,
+            target_tokens=out.verdict.target_tokens.tolist(), accepted=a,
+            committed=drafts[:a] + [int(out.verdict.bonus.item())], committed_before=request.auditor.committed,
+            target_kv_before=kv_before, target_kv_after=int(out.kv_after.item()),
+            drafter_ctx_before=int(drafted.ctx_before.item()), drafter_ctx_after=int(drafted.ctx_after.item()),
+            new_ctx_rows=int(out.keep.item()),  # the rows the drafter really keeps, not a+1 assumed
             tap_shape=tuple(out.taps.shape[1:]), greedy=request.greedy,
         )
         return facts, ready
@@ -180,12 +182,7 @@ class Committer(Actor):
         request.block_sizes.append(facts.block_size)
         emission = request.stream.push(facts.committed)
         self.log(RoundRecord(
-            request_id=message.request_id, time=time.time(), round=facts.round, anchor_pos=facts.anchor_pos,
-            block_size=facts.block_size, drafts=facts.drafts, target_tokens=facts.target_tokens,
-            accepted=facts.accepted, committed=facts.committed, target_kv_before=facts.target_kv_before,
-            target_kv_after=facts.target_kv_after, drafter_ctx_before=facts.drafter_ctx_before,
-            drafter_ctx_after=facts.drafter_ctx_after, new_ctx_rows=facts.new_ctx_rows,
-            tap_shape=list(facts.tap_shape), greedy=facts.greedy, speculative=message.speculative,
+            request_id=message.request_id, time=time.time(), **recorded_facts(facts), speculative=message.speculative,
             draft_queued=message.draft_queued_at, draft_ready=None, verify_queued=message.verify_queued_at,
             verify_ready=ready, commit=time.perf_counter(),
         ))

@@ -7,7 +7,7 @@ exactly which invariant broke, where.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .errors import RuntimeErrorBase
@@ -61,6 +61,24 @@ class RoundFacts:
     tap_shape: tuple[int, ...]
     greedy: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# every RoundFacts field is a RoundRecord field of the same name, except what the auditor counts
+RECORDED_FACTS = tuple(f.name for f in fields(RoundFacts) if f.name not in ("committed_before", "extra"))
+
+
+def recorded_facts(facts: RoundFacts) -> dict[str, Any]:
+    """The facts as RoundRecord fields (the log's round record is built from them)."""
+    values = {name: getattr(facts, name) for name in RECORDED_FACTS}
+    values["tap_shape"] = list(facts.tap_shape)
+    return values
+
+
+def facts_from_record(record: Any, committed_before: int) -> RoundFacts:
+    """The facts a logged round record states, for auditing the log without the models."""
+    values = {name: getattr(record, name) for name in RECORDED_FACTS}
+    values["tap_shape"] = tuple(record.tap_shape)
+    return RoundFacts(committed_before=committed_before, **values)
 
 
 class RoundAuditor:

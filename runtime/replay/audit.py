@@ -12,17 +12,12 @@ string, or max_tokens, inside the last round; cancelled and failed requests keep
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from protocol import FinishRecord, GenerationParams, RoundRecord
-from runtime.invariants import InvariantError, RoundAuditor, RoundFacts
+from protocol import FinishRecord, GenerationParams
+from runtime.invariants import InvariantError, RoundAuditor, facts_from_record
 
 from .reading import RequestLog
-
-# every RoundFacts field is a RoundRecord field of the same name, except the committer's count
-_FACT_FIELDS = [f.name for f in dataclasses.fields(RoundFacts) if f.name not in ("committed_before", "extra")]
-
 
 @dataclass
 class Finding:
@@ -32,12 +27,6 @@ class Finding:
     round: int | None  # None: the request as a whole
     check: str  # an invariant's name (lag, trim, no-rollback, layout, accepted-prefix) or output/rounds/finish/request
     message: str
-
-
-def round_facts(record: RoundRecord, committed_before: int) -> RoundFacts:
-    values = {name: getattr(record, name) for name in _FACT_FIELDS}
-    values["tap_shape"] = tuple(record.tap_shape)
-    return RoundFacts(committed_before=committed_before, **values)
 
 
 def audit_request(log: RequestLog) -> list[Finding]:
@@ -67,7 +56,7 @@ def _invariants(log: RequestLog) -> list[Finding]:
     auditor = RoundAuditor(len(request.prompt_ids), request.n_taps, request.hidden_size)
     for i, record in enumerate(log.rounds):
         try:
-            auditor.check(round_facts(record, auditor.committed))
+            auditor.check(facts_from_record(record, auditor.committed))
         except InvariantError as exc:
             later = len(log.rounds) - 1 - i
             suffix = f" ({later} later round(s) not audited)" if later else ""
