@@ -236,8 +236,8 @@ class DecoderModel(nn.Module):
         taps = mx.concatenate(tapped, axis=-1) if tap_layers else None  # type: ignore[arg-type]
         return ForwardOutput(logits, taps)
 
-    def make_cache(self, batch_size: int = 1) -> list[KVCache]:
-        """Per-layer caches; the batch axis comes from the first write (any ``batch_size``)."""
+    def make_cache(self) -> list[KVCache]:
+        """Per-layer caches; the batch axis comes from the first write."""
         return [KVCache() for _ in range(self.num_layers)]
 
     def make_device_cache(self) -> list[DeviceKVCache]:
