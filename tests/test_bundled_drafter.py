@@ -26,8 +26,6 @@ def test_bundled_drafter_is_a_z_lab_checkpoint_within_the_size_limit() -> None:
     assert (path / "model.safetensors").stat().st_size <= 25 * 1024 * 1024
 
 
-@pytest.mark.xfail(strict=True, reason="the first bundled drafter (6 epochs, 7.4k sequences) reaches tau 1.83 here; "
-                   "issue 5 stays open until a retrained one passes (strict: passing then must drop this mark)")
 def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smollm2: LoadedModel) -> None:
     path = default_drafter_path()
     if path is None:
