@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import anyio
-import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import (ActorMessage, Admit, Failed, FinishRecord, Prefilled, RoundAck, RoundRecord,
@@ -124,7 +123,7 @@ class Committer(Actor):
 
     async def _first_token(self, request_id: str, request: CommitterRequest) -> None:
         assert self.verifier is not None
-        token = int(self.verifier.outputs(request_id, -1).bonus.item())
+        token = self.verifier.outputs(request_id, -1).host().bonus
         request.first_token_at = request.last_ready_at = time.perf_counter()
         await self._emit(request_id, request, request.stream.push([token]), -1, kv=request.prompt_len, ctx=0)
 
@@ -133,20 +132,16 @@ class Committer(Actor):
         assert self.verifier is not None and self.drafter is not None
         out = self.verifier.outputs(message.request_id, message.round)
         drafted = self.drafter.outputs(message.request_id, message.round)
-        assert out.verdict is not None
-        mx.eval(out.verdict.accepted, out.verdict.bonus, out.verdict.target_tokens, out.keep, out.kv_before,
-                out.kv_after, drafted.drafts, drafted.ctx_before, drafted.ctx_after, out.taps)
+        verified, draft = out.host(), drafted.host()  # the first row read of a step waits for the step
         ready = time.perf_counter()
-        a = int(out.verdict.accepted.item())
-        drafts = drafted.drafts.tolist()
-        kv_before = int(out.kv_before.item())
+        a = verified.accepted
         facts = RoundFacts(
-            round=message.round, anchor_pos=kv_before, block_size=message.block_size, drafts=drafts,
-            target_tokens=out.verdict.target_tokens.tolist(), accepted=a,
-            committed=drafts[:a] + [int(out.verdict.bonus.item())], committed_before=request.auditor.committed,
-            target_kv_before=kv_before, target_kv_after=int(out.kv_after.item()),
-            drafter_ctx_before=int(drafted.ctx_before.item()), drafter_ctx_after=int(drafted.ctx_after.item()),
-            new_ctx_rows=int(out.keep.item()),  # the rows the drafter really keeps, not a+1 assumed
+            round=message.round, anchor_pos=verified.kv_before, block_size=message.block_size, drafts=draft.drafts,
+            target_tokens=verified.target_tokens, accepted=a,
+            committed=draft.drafts[:a] + [verified.bonus], committed_before=request.auditor.committed,
+            target_kv_before=verified.kv_before, target_kv_after=verified.kv_after,
+            drafter_ctx_before=draft.ctx_before, drafter_ctx_after=draft.ctx_after,
+            new_ctx_rows=verified.keep,  # the rows the drafter really keeps, not a+1 assumed
             tap_shape=tuple(out.taps.shape[1:]), greedy=request.greedy,
         )
         return facts, ready
@@ -184,7 +179,7 @@ class Committer(Actor):
         self.log(RoundRecord(
             request_id=message.request_id, time=time.time(), **recorded_facts(facts), speculative=message.speculative,
             draft_queued=message.draft_queued_at, draft_ready=None, verify_queued=message.verify_queued_at,
-            verify_ready=ready, commit=time.perf_counter(),
+            verify_ready=ready, commit=time.perf_counter(), batch_size=message.batch_size,
         ))
         await self._emit(message.request_id, request, emission, facts.round, kv=facts.target_kv_after, ctx=facts.drafter_ctx_after)
 

@@ -4,34 +4,51 @@ Round N+1 is drafted as soon as round N's verdict is queued (pipelined) or once 
 committer has acknowledged round N (sequential). Its anchor is round N's bonus token and
 its new context the verify taps, of which the device-side ``a+1`` rows are kept: the
 host never has to wait for round N to start N+1.
+
+Requests advance in lockstep: a flush drafts the next round of every request that is
+ready, in one forward over their stacked caches, but not while some request that has
+drafted before is still waiting for its verdict or acknowledgement: it will be ready
+within the step, and drafting without it would split the batch for good. Newcomers join
+at the next step; their prompt context is written alone first, since its length is theirs.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import ActorMessage, Admit, Drafted, RoundAck, VerdictQueued
-from runtime.cache import DeviceKVCache
+from runtime.batching import HostReadout, pad_rows
+from runtime.cache import DeviceKVCache, StackedKVCache
 from runtime.models.dflash import DFlashDrafter
 from runtime.speculative import block_size_for
 
-from .mailbox import DeviceStateOwner
+from .mailbox import DeviceStateOwner, send_burst
 
 if TYPE_CHECKING:
-    from .verifier import Verifier
+    from .verifier import RoundOutputs, Verifier
+
+
+class DraftedRow(NamedTuple):
+    drafts: list[int]
+    ctx_before: int
+    ctx_after: int
 
 
 @dataclass
 class DraftOutputs:
     drafts: mx.array  # [block-1]
     block_size: int
-    ctx_before: mx.array
-    ctx_after: mx.array
+    readout: HostReadout  # the step's drafts, context lengths before and after
+    row: int
+
+    def host(self) -> DraftedRow:
+        values = self.readout.row(self.row).tolist()
+        return DraftedRow(values[: self.block_size - 1], values[-2], values[-1])
 
 
 @dataclass
@@ -79,7 +96,6 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
                 self.forget(message.request_id)
                 return
             self._acknowledged(request, message)
-        await self._draft_ready_rounds(message.request_id, request)
 
     def _acknowledged(self, request: DrafterRequest, ack: RoundAck) -> None:
         request.acked, request.generated = ack.round, ack.generated
@@ -94,31 +110,78 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         remaining = request.max_tokens - request.generated - in_flight
         return min(request.block_size, remaining)
 
-    async def _draft_ready_rounds(self, request_id: str, request: DrafterRequest) -> None:
-        while (request.next_round == request.verdict_queued + 1
-               and request.acked >= request.next_round - 1 - self.lookahead):
-            block = self._block_for(request, request.next_round)
-            if block < 1:
-                return  # the rounds in flight already reach max_tokens
-            await self._draft(request_id, request, block)
+    def _ready(self, request: DrafterRequest) -> bool:
+        return (request.next_round == request.verdict_queued + 1
+                and request.acked >= request.next_round - 1 - self.lookahead)
 
-    async def _draft(self, request_id: str, request: DrafterRequest, block: int) -> None:
+    async def flush(self) -> None:
+        ready, waiting = [], False
+        for request_id, request in self.requests.items():
+            if self._block_for(request, request.next_round) < 1:
+                continue  # the rounds in flight already reach max_tokens
+            if self._ready(request):
+                ready.append(request_id)
+            elif request.next_round > 0:
+                waiting = True
+        if ready and not waiting:
+            await self.run_batch(ready, self._draft)
+
+    async def _draft(self, request_ids: Sequence[str]) -> None:
+        """Draft the next round of each request, in one forward."""
         assert self.verifier is not None and self.verifier_inbox is not None
-        round = request.next_round
-        previous = self.verifier.outputs(request_id, round - 1)
+        requests = [self.requests[rid] for rid in request_ids]
+        rounds = [r.next_round for r in requests]
+        blocks = [self._block_for(r, n) for r, n in zip(requests, rounds)]
+        previous = [self.verifier.outputs(rid, n - 1) for rid, n in zip(request_ids, rounds)]
+        saved = [[layer.snapshot() for layer in r.cache] for r in requests]
+        try:
+            drafts, ctx_before, ctx_after = self._forward(requests, previous, blocks)
+        except BaseException:
+            for request, states in zip(requests, saved):
+                for layer, state in zip(request.cache, states):
+                    layer.restore(state)
+            raise
+        readout = HostReadout([drafts, ctx_before, ctx_after])
+        for row, (request, round, block) in enumerate(zip(requests, rounds, blocks)):
+            request.outputs[round] = DraftOutputs(drafts[row, : block - 1], block, readout, row)
+            request.next_round += 1
+        mx.async_eval(readout.packed)
+        now = time.perf_counter()
+        await send_burst(self.verifier_inbox, [Drafted(
+            request_id=rid, round=round, block_size=block, speculative=r.acked < round - 1, draft_queued_at=now,
+            batch_size=len(requests)) for rid, r, round, block in zip(request_ids, requests, rounds, blocks)])
+
+    def _forward(self, requests: Sequence[DrafterRequest], previous: Sequence[RoundOutputs],
+                 blocks: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
+        """Drafts ``[R, L-1]`` and the context lengths before and after, for stacked requests."""
+        fresh = [p.block_size == 0 for p in previous]  # after the prefill: the whole prompt is new context
+        ctx_before = mx.stack([r.cache[0].length for r in requests])
+        for request, prev, new in zip(requests, previous, fresh):
+            if new and len(requests) > 1:
+                self.drafter.write_context(prev.taps, request.cache, prev.keep)
+        width = max(blocks)
         mask_id = self.drafter.args.mask_token_id
-        tokens = mx.concatenate([previous.bonus.reshape(1), mx.full((block - 1,), mask_id, dtype=mx.int32)])[None]
-        ctx_before = request.cache[0].length
-        hidden = self.drafter.hidden(tokens, previous.taps, request.cache, keep=previous.keep)
-        if block > 1:
-            drafts = mx.argmax(self.drafter.logits(hidden[:, 1:]), axis=-1)[0].astype(mx.int32)
+        anchors = mx.stack([p.bonus for p in previous])
+        tokens = mx.concatenate([anchors[:, None], mx.full((len(requests), width - 1), mask_id, dtype=mx.int32)], axis=1)
+        if len(requests) == 1:
+            caches: Sequence[DeviceKVCache] = requests[0].cache
+            ctx, keep, block_lens = previous[0].taps, previous[0].keep, None
         else:
-            drafts = mx.zeros((0,), dtype=mx.int32)
-        ctx_after = request.cache[0].length
-        request.outputs[round] = DraftOutputs(drafts, block, ctx_before, ctx_after)
-        mx.async_eval(drafts, ctx_after)
-        request.next_round += 1
-        await self.verifier_inbox.send(Drafted(
-            request_id=request_id, round=round, block_size=block,
-            speculative=request.acked < round - 1, draft_queued_at=time.perf_counter(),
-        ))
+            ctx_rows = max((p.taps.shape[1] for p, new in zip(previous, fresh) if not new), default=0)
+            caches = [StackedKVCache(layers, ctx_rows) for layers in zip(*(r.cache for r in requests))]
+            ctx = keep = None
+            if ctx_rows:  # newcomers take part with zero rows, none kept
+                ctx = pad_rows([p.taps[0] if not new else p.taps[0, :0] for p, new in zip(previous, fresh)], ctx_rows)
+                keep = mx.stack([p.keep if not new else mx.array(0, dtype=mx.int32) for p, new in zip(previous, fresh)])
+            block_lens = mx.array(blocks) if min(blocks) < width else None
+        hidden = self.drafter.hidden(tokens, ctx, caches, keep=keep, block_lens=block_lens)
+        if width > 1:
+            drafts = mx.argmax(self.drafter.logits(hidden[:, 1:]), axis=-1).astype(mx.int32)
+        else:
+            drafts = mx.zeros((len(requests), 0), dtype=mx.int32)
+        ctx_after = caches[0].length.reshape(-1)
+        if len(requests) > 1:
+            for layer in caches:
+                assert isinstance(layer, StackedKVCache)
+                layer.unstack([0 if new else ctx_rows for new in fresh])
+        return drafts, ctx_before, ctx_after

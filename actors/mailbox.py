@@ -1,9 +1,14 @@
-"""What every actor shares: an inbox loop that isolates failures to their request."""
+"""What every actor shares: an inbox loop that isolates failures to their request.
+
+An actor handles every message already in its inbox before it ``flush``es: the
+drafter and the verifier record what became ready and run it in one batched forward
+at the flush, so the rounds of many requests share each forward.
+"""
 
 from __future__ import annotations
 
 import traceback
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -29,14 +34,38 @@ class Actor:
     async def run(self) -> None:
         async with self.inbox:
             async for message in self.inbox:
-                try:
-                    await self.handle(message)
-                except Exception as exc:  # noqa: BLE001  (isolate: one request fails, the actor lives)
-                    await self.report_failure(message.request_id, exc)
-                    self.forget(message.request_id)
+                await self._isolated(message.request_id, lambda: self.handle(message))
+                if not self.inbox.statistics().current_buffer_used:
+                    await self.flush()
 
     async def handle(self, message: Any) -> None:
         raise NotImplementedError
+
+    async def flush(self) -> None:
+        """Run the work that the messages handled so far made ready (batching actors)."""
+
+    async def _isolated(self, request_id: str, work: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await work()
+        except Exception as exc:  # noqa: BLE001  (isolate: one request fails, the actor lives)
+            await self.report_failure(request_id, exc)
+            self.forget(request_id)
+
+    async def run_batch(self, request_ids: Sequence[str], work: Callable[[list[str]], Awaitable[None]]) -> None:
+        """``work`` for many requests in one go; if it fails, once per request, so only the faulty one fails.
+
+        Batched work must leave its members as they were when it fails (the drafter and
+        verifier restore their caches' snapshots), so each retry starts clean.
+        """
+        ids = list(request_ids)
+        if len(ids) == 1:
+            await self._isolated(ids[0], lambda: work(ids))
+            return
+        try:
+            await work(ids)
+        except Exception:  # noqa: BLE001
+            for request_id in ids:
+                await self._isolated(request_id, lambda: work([request_id]))
 
     def forget(self, request_id: str) -> None:
         """Drop every piece of state this actor holds for the request."""
@@ -50,6 +79,15 @@ class Actor:
             raise exc
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         await self.failures.send(Failed(request_id=request_id, error=f"{self.name}: {detail}", kind=type(exc).__name__))
+
+
+async def send_burst(stream: ObjectSendStream[ActorMessage], messages: Iterable[ActorMessage]) -> None:
+    """Send without yielding between messages, so the receiver finds a step's messages together."""
+    for message in messages:
+        try:
+            stream.send_nowait(message)
+        except anyio.WouldBlock:
+            await stream.send(message)
 
 
 class OwnedRequest(Protocol):

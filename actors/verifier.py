@@ -5,28 +5,46 @@ Prefill computes the first token and the prompt's taps; each round verifies
 drafter can build the next round from the verdict before the host has read it. The
 target KV's valid length advances on the device by ``a+1``; rejected positions lie past
 it and are overwritten next round.
+
+Rounds of many requests are verified together: at each flush every drafted round
+waiting here goes into one target forward over their stacked caches (each row at its
+own KV length and positions), padded to the longest block; a row never accepts past
+its own block.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import ActorMessage, Admit, Drafted, GenerationParams, Prefilled, RoundAck, VerdictQueued, Verified
-from runtime.acceptance import Verdict, verdict
-from runtime.cache import DeviceKVCache
+from runtime.acceptance import stacked_verdicts
+from runtime.batching import HostReadout, pad_rows
+from runtime.cache import DeviceKVCache, StackedKVCache
 from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
 
-from .mailbox import DeviceStateOwner
+from .mailbox import DeviceStateOwner, send_burst
 
 if TYPE_CHECKING:
     from .drafter import Drafter
+
+
+class VerifiedRow(NamedTuple):
+    """One request's round results on the host."""
+
+    accepted: int
+    bonus: int
+    keep: int
+    kv_before: int
+    kv_after: int
+    target_tokens: list[int]
 
 
 @dataclass
@@ -36,9 +54,13 @@ class RoundOutputs:
     bonus: mx.array  # the next anchor
     taps: mx.array  # [1, rows, n_taps*H]
     keep: mx.array  # how many leading tap rows are accepted positions
-    kv_before: mx.array
-    kv_after: mx.array
-    verdict: Verdict | None = None  # None for the prefill
+    readout: HostReadout  # the step's accepted, bonus, keep, kv before/after, target tokens
+    row: int
+    block_size: int
+
+    def host(self) -> VerifiedRow:
+        values = self.readout.row(self.row).tolist()
+        return VerifiedRow(*values[:5], values[5 : 5 + self.block_size])
 
 
 @dataclass
@@ -59,6 +81,8 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         self.committer: ObjectSendStream[ActorMessage] | None = None
         self.drafter_inbox: ObjectSendStream[ActorMessage] | None = None
         self.drafter: Drafter | None = None
+        self._admitted: list[Admit] = []
+        self._drafted: dict[str, Drafted] = {}  # request id -> its round waiting to be verified
 
     def outputs(self, request_id: str, round: int) -> RoundOutputs:
         return super().outputs(request_id, round)
@@ -68,14 +92,26 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         return request is not None and round in request.outputs
 
     async def handle(self, message: ActorMessage) -> None:
-        assert self.committer is not None and self.drafter_inbox is not None
         if isinstance(message, Admit):
-            await self._prefill(message)
+            self._admitted.append(message)
         elif isinstance(message, Drafted):
             if message.request_id in self.requests:
-                await self._verify(message)
+                self._drafted[message.request_id] = message
         elif isinstance(message, RoundAck):
             self._acknowledged(message)
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        self._drafted.pop(request_id, None)
+
+    async def flush(self) -> None:
+        admitted, self._admitted = self._admitted, []
+        for admit in admitted:
+            await self._isolated(admit.request_id, lambda: self._prefill(admit))
+        drafted = {rid: m for rid, m in self._drafted.items() if rid in self.requests}
+        self._drafted = {}
+        if drafted:
+            await self.run_batch(list(drafted), lambda ids: self._verify([drafted[rid] for rid in ids]))
 
     async def _prefill(self, message: Admit) -> None:
         assert self.committer is not None and self.drafter_inbox is not None
@@ -86,38 +122,69 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         out = self.target(mx.array([message.prompt_ids]), request.cache, tap_layers=self.tap_layers, last_only=True)
         assert out.taps is not None
         first = request.sampler.sample(out.logits[:, -1])[0].astype(mx.int32)
-        prompt_len = mx.array(len(message.prompt_ids), dtype=mx.int32)
+        n = len(message.prompt_ids)
+        prompt_len = mx.array(n, dtype=mx.int32)
         for layer in request.cache:
             layer.advance(prompt_len)
-            layer.settle(len(message.prompt_ids))
-        request.outputs[-1] = RoundOutputs(first, out.taps, prompt_len, mx.array(0, dtype=mx.int32), prompt_len)
-        mx.async_eval(first, out.taps)
+            layer.settle(n)
+        zero = mx.array([0], dtype=mx.int32)
+        readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1)])
+        request.outputs[-1] = RoundOutputs(first, out.taps, prompt_len, readout, 0, 0)
+        mx.async_eval(readout.packed, out.taps)
         self.requests[message.request_id] = request
         await self.committer.send(Prefilled(request_id=message.request_id, queued_at=queued))
         await self.drafter_inbox.send(VerdictQueued(request_id=message.request_id, round=-1))
 
-    async def _verify(self, message: Drafted) -> None:
+    async def _verify(self, rounds: Sequence[Drafted]) -> None:
+        """One target forward for the given rounds of different requests."""
         assert self.committer is not None and self.drafter_inbox is not None and self.drafter is not None
-        request = self.requests[message.request_id]
-        drafts = self.drafter.outputs(message.request_id, message.round).drafts
-        anchor = request.outputs[message.round - 1].bonus
-        kv_before = request.cache[0].length
+        requests = [self.requests[m.request_id] for m in rounds]
+        blocks = [m.block_size for m in rounds]
+        width = max(blocks)
         queued = time.perf_counter()
-        tokens = mx.concatenate([anchor.reshape(1), drafts])[None]
-        out = self.target(tokens, request.cache, tap_layers=self.tap_layers)
-        assert out.taps is not None
-        result = verdict(drafts, out.logits[0], request.params, request.sampler)
-        keep = result.accepted + 1
-        for layer in request.cache:
-            layer.advance(keep)
-        kv_after = request.cache[0].length
-        request.outputs[message.round] = RoundOutputs(result.bonus, out.taps, keep, kv_before, kv_after, result)
-        mx.async_eval(result.accepted, result.bonus, result.target_tokens, out.taps, kv_after)
-        await self.committer.send(Verified(
-            request_id=message.request_id, round=message.round, block_size=message.block_size,
-            speculative=message.speculative, draft_queued_at=message.draft_queued_at, verify_queued_at=queued,
-        ))
-        await self.drafter_inbox.send(VerdictQueued(request_id=message.request_id, round=message.round))
+        drafts = pad_rows([self.drafter.outputs(m.request_id, m.round).drafts for m in rounds], width - 1)
+        anchors = mx.stack([r.outputs[m.round - 1].bonus for r, m in zip(requests, rounds)])
+        tokens = mx.concatenate([anchors[:, None], drafts], axis=1)
+        with self._stacked([r.cache for r in requests], width) as caches:
+            kv_before = caches[0].length.reshape(-1)
+            out = self.target(tokens, caches, tap_layers=self.tap_layers)
+            assert out.taps is not None
+            verdict = stacked_verdicts(drafts, out.logits, [b - 1 for b in blocks], [r.params for r in requests],
+                                       [r.sampler for r in requests])
+            keep = verdict.accepted + 1
+            for layer in caches:
+                layer.advance(keep if len(requests) > 1 else keep[0])
+            kv_after = caches[0].length.reshape(-1)
+        readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, verdict.target_tokens])
+        for row, (request, message, block) in enumerate(zip(requests, rounds, blocks)):
+            request.outputs[message.round] = RoundOutputs(verdict.bonus[row], out.taps[row : row + 1, :block], keep[row],
+                                                          readout, row, block)
+        mx.async_eval(readout.packed, out.taps)
+        await send_burst(self.committer, [Verified(
+            request_id=m.request_id, round=m.round, block_size=m.block_size, speculative=m.speculative,
+            draft_queued_at=m.draft_queued_at, verify_queued_at=queued, batch_size=len(rounds)) for m in rounds])
+        await send_burst(self.drafter_inbox, [VerdictQueued(request_id=m.request_id, round=m.round) for m in rounds])
+
+    @contextmanager
+    def _stacked(self, caches: Sequence[list[DeviceKVCache]], new_rows: int) -> Iterator[Sequence[DeviceKVCache]]:
+        """The layers' caches of these requests for one forward (stacked when more than one).
+
+        On failure every member's caches are restored, so a retry starts from the same state.
+        """
+        saved = [[layer.snapshot() for layer in request] for request in caches]
+        try:
+            if len(caches) == 1:
+                yield caches[0]
+                return
+            stacked = [StackedKVCache(layers, new_rows) for layers in zip(*caches)]
+            yield stacked
+            for layer in stacked:
+                layer.unstack([new_rows] * len(caches))
+        except BaseException:
+            for request, states in zip(caches, saved):
+                for layer, state in zip(request, states):
+                    layer.restore(state)
+            raise
 
     def _acknowledged(self, ack: RoundAck) -> None:
         request = self.requests.get(ack.request_id)
@@ -130,4 +197,3 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             for layer in request.cache:
                 layer.settle(ack.target_kv)
         request.outputs.pop(ack.round - 1, None)  # the drafter has consumed it
-

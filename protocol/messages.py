@@ -38,6 +38,7 @@ class Drafted(Message, tag="drafted"):
     block_size: int
     speculative: bool  # started before the previous round was acknowledged
     draft_queued_at: float
+    batch_size: int = 1  # requests drafted in the same forward (verified together, too)
 
 
 class VerdictQueued(Message, tag="verdict_queued"):
@@ -46,7 +47,7 @@ class VerdictQueued(Message, tag="verdict_queued"):
     round: int
 
 
-class Verified(Drafted, tag="verified"):
+class Verified(Drafted, tag="verified", kw_only=True):
     """Round ``round`` is queued end to end (verifier -> committer)."""
 
     verify_queued_at: float

@@ -57,6 +57,7 @@ class RoundRecord(Record, tag="round"):
     verify_queued: float
     verify_ready: float
     commit: float
+    batch_size: int = 1  # requests verified in the same target forward
 
 
 class FinishRecord(Record, tag="finish"):

@@ -61,3 +61,34 @@ def verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sample
     if is_greedy(params):
         return greedy_verdict(drafts, logits)
     return sampled_verdict(drafts, logits, params, sampler)
+
+
+def stacked_verdicts(drafts: mx.array, logits: mx.array, n_drafts: list[int], params: list[GenerationParams],
+                     samplers: list[Sampler]) -> Verdict:
+    """Verdicts of stacked requests: ``drafts [R, L-1]``, ``logits [R, L, V]``, vectors out.
+
+    Row r has ``n_drafts[r]`` real drafts (its own block size); the padding after them is
+    never accepted. Greedy rows share one argmax; a sampled row draws alone with its own
+    sampler, so it consumes its random stream exactly as when it runs by itself.
+    """
+    greedy = greedy_verdict_rows(drafts, logits, mx.array(n_drafts))
+    if all(is_greedy(p) for p in params):
+        return greedy
+    width = logits.shape[1]
+    rows = []
+    for r, (n, p, sampler) in enumerate(zip(n_drafts, params, samplers)):
+        if is_greedy(p):
+            rows.append(Verdict(greedy.accepted[r], greedy.bonus[r], greedy.target_tokens[r]))
+        else:
+            v = sampled_verdict(drafts[r, :n], logits[r, : n + 1], p, sampler)
+            rows.append(Verdict(v.accepted, v.bonus, mx.pad(v.target_tokens, (0, width - n - 1))))
+    return Verdict(*(mx.stack(parts) for parts in zip(*rows)))
+
+
+def greedy_verdict_rows(drafts: mx.array, logits: mx.array, n_drafts: mx.array) -> Verdict:
+    target_tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+    real = mx.arange(drafts.shape[1])[None] < n_drafts[:, None]
+    matches = (drafts == target_tokens[:, :-1]) & real
+    accepted = mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1)
+    bonus = mx.take_along_axis(target_tokens, accepted[:, None], axis=1)[:, 0]
+    return Verdict(accepted, bonus, target_tokens)

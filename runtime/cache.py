@@ -8,6 +8,8 @@ attended because attention reads only ``[:offset]``.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
 
 GROWTH_STEP = 256
@@ -119,22 +121,37 @@ class DeviceKVCache:
         return 0 if self.keys is None else bucketed(self.bound, self.keys.shape[2])
 
     def write(self, keys: mx.array, values: mx.array) -> None:
-        """Write ``keys/values [B, H, L, D]`` at the device length."""
+        """Write ``keys/values [B, H, L, D]`` at the device length (one per row when stacked)."""
         length = keys.shape[2]
         self._ensure_capacity(keys, values, self.bound + length)
-        start = self.length.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start_indices=start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start_indices=start, axes=(2,))
+        assert self.keys is not None and self.values is not None
+        if self.length.ndim == 0:
+            start = self.length.reshape(1)
+            self.keys = mx.slice_update(self.keys, keys, start_indices=start, axes=(2,))
+            self.values = mx.slice_update(self.values, values, start_indices=start, axes=(2,))
+        else:  # stacked requests: row r writes at its own length[r]
+            rows = (self.length[:, None] + mx.arange(length))[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(rows, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(self.values, mx.broadcast_to(rows, values.shape), values, axis=2)
         self._unsettled.append(length)
         self.bound += length
 
     def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Write at ``length``; the causal mask over the whole buffer admits valid keys only."""
         self.write(keys, values)
-        query_pos = self.length + mx.arange(keys.shape[2])
-        mask = mx.arange(self.extent)[None, :] <= query_pos[:, None]
+        query_pos = self.length[..., None] + mx.arange(keys.shape[2])  # [L], or [R, L] when stacked
+        mask = mx.arange(self.extent) <= query_pos[..., None]
+        if mask.ndim == 3:
+            mask = mask[:, None]  # [R, 1, L, extent]: each stacked row has its own valid length
         assert self.keys is not None and self.values is not None
         return self.keys[..., : self.extent, :], self.values[..., : self.extent, :], mask
+
+    def snapshot(self) -> tuple[object, ...]:
+        """Everything a write changes (references: cheap), for ``restore`` after a failed step."""
+        return self.keys, self.values, self.length, self.bound, list(self._unsettled)
+
+    def restore(self, state: tuple[object, ...]) -> None:
+        self.keys, self.values, self.length, self.bound, self._unsettled = state  # type: ignore[assignment]
 
     def advance(self, n: mx.array | int) -> None:
         """Keep ``n`` of the positions written last (lazy): the rest lie past the valid end."""
@@ -150,6 +167,48 @@ class DeviceKVCache:
         if self.keys is None or self.values is None:
             return 0
         return self.keys.nbytes + self.values.nbytes
+
+
+class StackedKVCache(DeviceKVCache):
+    """One layer's caches of several requests on the batch axis, for one batched forward.
+
+    Row r is member r's cache: ``length`` is ``[R]``, so each row writes, ropes and
+    attends at its own length. ``unstack`` gives every member its row back. Stacking
+    copies the members' buffers once per round: on these model sizes that costs far less
+    than the kernel launches a separate forward per request would.
+    """
+
+    def __init__(self, members: Sequence[DeviceKVCache], new_rows: int) -> None:
+        super().__init__()
+        self.members = list(members)
+        self.bound = max(c.bound for c in members)
+        self.length = mx.stack([c.length for c in members])
+        capacity = -(-(self.bound + new_rows) // GROWTH_STEP) * GROWTH_STEP
+        self.keys = mx.concatenate([_fit(c.keys, capacity) for c in members], axis=0)
+        self.values = mx.concatenate([_fit(c.values, capacity) for c in members], axis=0)
+
+    def unstack(self, written: Sequence[int]) -> None:
+        """Hand each member its row: buffer, device length, and the rows written for it.
+
+        A member written ``0`` rows took part without new rows (they lie past its valid
+        end and its bound): the drafter's newcomers, whose context went in beforehand.
+        """
+        assert self.keys is not None and self.values is not None
+        for row, (cache, rows) in enumerate(zip(self.members, written)):
+            cache.keys, cache.values = self.keys[row : row + 1], self.values[row : row + 1]
+            cache.length = self.length[row]
+            if rows:
+                cache._unsettled.append(rows)
+                cache.bound += rows
+
+
+def _fit(buffer: mx.array | None, capacity: int) -> mx.array:
+    """A member's buffer cut or zero-padded to ``capacity`` rows (nothing valid lies past its bound)."""
+    assert buffer is not None, "a member joins a stack after its first write"
+    if buffer.shape[2] >= capacity:
+        return buffer[..., :capacity, :]
+    b, h, t, d = buffer.shape
+    return mx.concatenate([buffer, mx.zeros((b, h, capacity - t, d), buffer.dtype)], axis=2)
 
 
 def trim_caches(caches: list[KVCache], n: int) -> None:

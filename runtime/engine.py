@@ -155,6 +155,10 @@ class Engine:
     async def stats(self) -> EngineStats:
         """Live requests and cache bytes, once the actors have handled what is in flight."""
         await self._quiesce()
+        return self.snapshot()
+
+    def snapshot(self) -> EngineStats:
+        """Live requests and cache bytes now, without waiting (for scrapes while requests run)."""
         live = set(self.verifier.requests) | set(self.drafter_actor.requests) | set(self.committer.requests)
         return EngineStats(len(live), self.verifier.cache_bytes + self.drafter_actor.cache_bytes,
                            self.committer.discarded_rounds)

@@ -8,8 +8,6 @@ from typing import Any
 import anyio
 import pytest
 
-import dataclasses
-
 from actors.verifier import RoundOutputs, Verifier
 from protocol import GenerationParams, TokenEvent
 from runtime.engine import Engine
@@ -91,17 +89,25 @@ def test_leaving_the_loop_mid_request_cancels_it_and_frees_its_state(tiny_llama:
     assert after.live_requests == 0 and after.cache_bytes == 0
 
 
-def _corrupt(kind: str, out: RoundOutputs) -> RoundOutputs:
-    assert out.verdict is not None
-    if kind == "lag":
-        return dataclasses.replace(out, kv_before=out.kv_before + 1)
-    if kind == "trim":
-        return dataclasses.replace(out, kv_after=out.kv_after + 2)
-    if kind == "layout":
-        return dataclasses.replace(out, taps=out.taps[..., :-1])
-    if kind == "accepted-prefix":
-        return dataclasses.replace(out, verdict=out.verdict._replace(accepted=out.verdict.accepted + 1))
-    raise AssertionError(kind)
+class CorruptedRound:
+    """A round's verifier outputs as the committer reads them, lying in one way."""
+
+    def __init__(self, out: RoundOutputs, kind: str) -> None:
+        self.out, self.kind = out, kind
+
+    def host(self) -> Any:
+        row = self.out.host()
+        if self.kind == "lag":
+            return row._replace(kv_before=row.kv_before + 1)
+        if self.kind == "trim":
+            return row._replace(kv_after=row.kv_after + 2)
+        if self.kind == "accepted-prefix":
+            return row._replace(accepted=row.accepted + 1)
+        return row
+
+    @property
+    def taps(self) -> Any:
+        return self.out.taps[..., :-1] if self.kind == "layout" else self.out.taps
 
 
 class CorruptingView:
@@ -110,12 +116,23 @@ class CorruptingView:
     def __init__(self, verifier: Verifier, victim: str, kind: str) -> None:
         self.verifier, self.victim, self.kind = verifier, victim, kind
 
-    def outputs(self, request_id: str, round: int) -> RoundOutputs:
+    def outputs(self, request_id: str, round: int) -> Any:
         out = self.verifier.outputs(request_id, round)
-        return _corrupt(self.kind, out) if (request_id, round) == (self.victim, 2) else out
+        return CorruptedRound(out, self.kind) if (request_id, round) == (self.victim, 2) else out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.verifier, name)
+
+
+class RolledBackDraft:
+    """A round's drafter outputs claiming the round started from a shrunk context."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+
+    def host(self) -> Any:
+        row = self.out.host()
+        return row._replace(ctx_before=row.ctx_before - 1)
 
 
 class RollingBackDrafterView:
@@ -126,7 +143,7 @@ class RollingBackDrafterView:
 
     def outputs(self, request_id: str, round: int) -> Any:
         out = self.drafter.outputs(request_id, round)
-        return dataclasses.replace(out, ctx_before=out.ctx_before - 1) if (request_id, round) == (self.victim, 2) else out
+        return RolledBackDraft(out) if (request_id, round) == (self.victim, 2) else out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.drafter, name)
@@ -191,3 +208,45 @@ def test_seeded_sampling_gives_the_same_output_in_both_modes(tiny_llama: LoadedM
     sequential = run(lambda: outputs("sequential"))
     assert run(lambda: outputs("pipelined")) == sequential
     assert run(lambda: outputs("sequential")) == sequential  # and reproducible
+
+
+def _run_concurrently(engine: Engine, prompts: list[list[int]], params: list[GenerationParams]) -> Any:
+    async def main() -> dict[int, list[int]]:
+        results: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            results[i] = (await collect(engine, prompts[i], params[i]))[0]
+
+        async with engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+        return results
+
+    return main
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+def test_concurrent_requests_share_forwards_and_each_gets_its_alone_output(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, mode: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from protocol import records
+
+    # different block sizes, limits that end mid-block, prompts of different lengths
+    params = [GenerationParams(max_tokens=9 + 3 * (i % 5), block_size=2 + i % 7) for i in range(12)]
+    log = tmp_path / "rounds.jsonl"
+    results = run(_run_concurrently(Engine(tiny_llama, tiny_drafter, mode=mode, log=log), PROMPTS[:12], params))
+    for i in range(12):
+        assert results[i] == plain(tiny_llama, PROMPTS[i], params[i])
+    sizes = [r.batch_size for r in map(records.from_json, log.read_text().splitlines()) if type(r).__name__ == "RoundRecord"]
+    assert max(sizes) >= 8, f"rounds were not batched: batch sizes {sorted(set(sizes))}"
+
+
+def test_seeded_sampling_is_the_same_in_a_batch_as_alone(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    sampled = [GenerationParams(max_tokens=16, temperature=1.2, seed=i, block_size=3 + i % 3) for i in range(6)]
+    greedy = [GenerationParams(max_tokens=14, block_size=4)] * 4
+    params = sampled + greedy
+    prompts = PROMPTS[:10]
+    together = run(_run_concurrently(Engine(tiny_llama, tiny_drafter), prompts, params))
+    for i in range(10):
+        alone = run(_run_concurrently(Engine(tiny_llama, tiny_drafter), [prompts[i]], [params[i]]))
+        assert together[i] == alone[0]

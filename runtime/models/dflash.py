@@ -16,7 +16,7 @@ layer when ``is_causal``) are causal, with a window only when ``use_sliding_wind
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -110,28 +110,35 @@ def drafter_args(config: dict[str, Any]) -> DrafterArgs:
 
 
 def block_mask(ctx_len: int | mx.array, block_len: int, causal: bool, window: int | None,
-               ctx_extent: int | None = None) -> mx.array | None:
+               ctx_extent: int | None = None, block_lens: mx.array | None = None) -> mx.array | None:
     """Which keys ``[ctx ; block]`` each block query may see; None means all of them.
 
     ``ctx_len`` may be a device scalar (pipelined rounds): the context keys then span
     ``ctx_extent`` buffer rows, of which those at or past ``ctx_len`` are not yet valid.
+    Stacked requests pass ``ctx_len [R]`` and their own ``block_lens [R]``: the mask is
+    then ``[R, 1, L, extent + L]`` and a row's padding past its block is never seen, so a
+    request drafts the same in a batch as alone.
     """
     extent = ctx_len if ctx_extent is None else ctx_extent
-    if isinstance(ctx_len, int) and extent == ctx_len and not causal and window is None:
+    if isinstance(ctx_len, int) and extent == ctx_len and not causal and window is None and block_lens is None:
         return None
     assert isinstance(extent, int)
-    ctx_rows = mx.arange(extent)
-    key_pos = mx.concatenate([ctx_rows, ctx_len + mx.arange(block_len)])[None, :]
-    valid = mx.concatenate([ctx_rows < ctx_len, mx.ones((block_len,), dtype=mx.bool_)])[None, :]
-    query_pos = (ctx_len + mx.arange(block_len))[:, None]
-    allowed = mx.broadcast_to(valid, (block_len, extent + block_len))
+    stacked = isinstance(ctx_len, mx.array) and ctx_len.ndim == 1
+    c = (ctx_len if isinstance(ctx_len, mx.array) else mx.array(ctx_len)).reshape(-1, 1)  # [R, 1]
+    rows, block = mx.arange(extent)[None], mx.arange(block_len)[None]
+    n = c.shape[0]
+    key_pos = mx.concatenate([mx.broadcast_to(rows, (n, extent)), c + block], axis=1)  # [R, extent + L]
+    in_block = block < (block_lens.reshape(-1, 1) if block_lens is not None else block_len)
+    valid = mx.concatenate([rows < c, mx.broadcast_to(in_block, (n, block_len))], axis=1)
+    query_pos = (c + block)[:, :, None]  # [R, L, 1]
+    allowed = mx.broadcast_to(valid[:, None, :], (n, block_len, extent + block_len))
     if causal:
-        allowed = allowed & (key_pos <= query_pos)
+        allowed = allowed & (key_pos[:, None, :] <= query_pos)
     if window is not None:
-        allowed = allowed & (query_pos - key_pos < window)
+        allowed = allowed & (query_pos - key_pos[:, None, :] < window)
         if not causal:
-            allowed = allowed & (key_pos - query_pos < window)
-    return allowed
+            allowed = allowed & (key_pos[:, None, :] - query_pos < window)
+    return allowed[:, None] if stacked else allowed[0]
 
 
 class DrafterAttention(nn.Module):
@@ -196,9 +203,9 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
     def __call__(self, x: mx.array, h_ctx: mx.array | None, cache: KVCache | DeviceKVCache,
-                 keep: mx.array | None = None) -> mx.array:
+                 keep: mx.array | None = None, block_lens: mx.array | None = None) -> mx.array:
         if isinstance(cache, DeviceKVCache):
-            return self._call_device_cache(x, h_ctx, cache, keep)
+            return self._call_device_cache(x, h_ctx, cache, keep, block_lens)
         if h_ctx is not None and h_ctx.shape[1]:
             cache.update_and_fetch(*self.context_kv(h_ctx, cache.offset))
         anchor_pos = cache.offset
@@ -208,17 +215,20 @@ class DrafterAttention(nn.Module):
         mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window)
         return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
 
+    def write_context(self, h_ctx: mx.array, cache: DeviceKVCache, keep: mx.array | None) -> None:
+        """Pipelined rounds: all new context rows are written, only ``keep`` of them become valid."""
+        cache.write(*self.context_kv(h_ctx, cache.length))
+        cache.advance(keep if keep is not None else h_ctx.shape[1])
+
     def _call_device_cache(self, x: mx.array, h_ctx: mx.array | None, cache: DeviceKVCache,
-                           keep: mx.array | None) -> mx.array:
-        """Pipelined rounds: all new rows are written, only ``keep`` of them become valid."""
+                           keep: mx.array | None, block_lens: mx.array | None = None) -> mx.array:
         if h_ctx is not None and h_ctx.shape[1]:
-            cache.write(*self.context_kv(h_ctx, cache.length))
-            cache.advance(keep if keep is not None else h_ctx.shape[1])
+            self.write_context(h_ctx, cache, keep)
         anchor_pos, extent = cache.length, cache.extent
         ctx_kv = None
         if extent and cache.keys is not None and cache.values is not None:
             ctx_kv = (cache.keys[..., :extent, :], cache.values[..., :extent, :])
-        mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window, ctx_extent=extent)
+        mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window, ctx_extent=extent, block_lens=block_lens)
         return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
 
 
@@ -235,8 +245,8 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def __call__(self, h: mx.array, h_ctx: mx.array | None, cache: KVCache | DeviceKVCache,
-                 keep: mx.array | None = None) -> mx.array:
-        return self._residual(h, lambda x: self.self_attn(x, h_ctx, cache, keep))
+                 keep: mx.array | None = None, block_lens: mx.array | None = None) -> mx.array:
+        return self._residual(h, lambda x: self.self_attn(x, h_ctx, cache, keep, block_lens))
 
     def forward_blocks(self, h: mx.array, h_ctx: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
         """Training: many blocks over one whole context (positions from 0), kept apart by ``mask``."""
@@ -278,18 +288,28 @@ class DFlashDrafter(nn.Module):
     def make_device_cache(self) -> list[DeviceKVCache]:
         return [DeviceKVCache() for _ in self.layers]
 
-    def hidden(self, block: mx.array, ctx_features: mx.array | None, cache: list[KVCache] | list[DeviceKVCache],
-               keep: mx.array | None = None) -> mx.array:
+    def hidden(self, block: mx.array, ctx_features: mx.array | None, cache: Sequence[KVCache] | Sequence[DeviceKVCache],
+               keep: mx.array | None = None, block_lens: mx.array | None = None) -> mx.array:
         """Post-norm hidden states ``[b, L, H]`` of the block; new context rows enter the cache.
 
-        With device caches, ``keep`` (a device scalar) says how many leading context rows
-        are real: the verifier's accepted count, not yet known to the host.
+        With device caches, ``keep`` (a device scalar, ``[R]`` when stacked) says how many
+        leading context rows are real: the verifier's accepted count, not yet known to
+        the host. Stacked requests with shorter blocks pass their ``block_lens``.
         """
         h = self._embed_block(block)
-        h_ctx = self.hidden_norm(self.fc(ctx_features)) if ctx_features is not None else None
+        h_ctx = self.context_features(ctx_features) if ctx_features is not None else None
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, h_ctx, layer_cache, keep)
+            h = layer(h, h_ctx, layer_cache, keep, block_lens)
         return self.norm(h)
+
+    def context_features(self, ctx_features: mx.array) -> mx.array:
+        return self.hidden_norm(self.fc(ctx_features))
+
+    def write_context(self, ctx_features: mx.array, cache: Sequence[DeviceKVCache], keep: mx.array | None) -> None:
+        """Only the context part of ``hidden``: the new rows enter every layer's cache."""
+        h_ctx = self.context_features(ctx_features)
+        for layer, layer_cache in zip(self.layers, cache):
+            layer.self_attn.write_context(h_ctx, layer_cache, keep)
 
     def training_hidden(self, blocks: mx.array, anchors: mx.array, ctx_features: mx.array, mask: mx.array) -> mx.array:
         """Post-norm hidden ``[b, n*B, H]`` of n blocks per sequence, all in one forward.
@@ -306,7 +326,7 @@ class DFlashDrafter(nn.Module):
                 "drop layer_types/is_causal from the drafter config"
             )
         h = self._embed_block(blocks)
-        h_ctx = self.hidden_norm(self.fc(ctx_features))
+        h_ctx = self.context_features(ctx_features)
         for layer in self.layers:
             h = layer.forward_blocks(h, h_ctx, anchors.reshape(-1), mask)
         return self.norm(h)

@@ -454,8 +454,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         status = "draining" if server.admission.draining else "loading"
         return JSONResponse({"status": status}, 503, headers={"Retry-After": str(settings.retry_after_s)})
 
-    async def engine_stats() -> dict[str, Any]:
-        stats = await engine.stats()
+    def engine_stats() -> dict[str, Any]:
+        stats = engine.snapshot()
         server.metrics.engine_live.set(stats.live_requests)
         server.metrics.engine_cache.set(stats.cache_bytes)
         return {"live_requests": stats.live_requests, "cache_bytes": stats.cache_bytes,
@@ -463,12 +463,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await engine_stats()
+        engine_stats()
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/internal/stats")
     async def internal_stats() -> dict[str, Any]:
         return {"running": server.admission.running, "queued": server.admission.waiting,
-                "draining": server.admission.draining, "ready": server.ready, "engine": await engine_stats()}
+                "draining": server.admission.draining, "ready": server.ready, "engine": engine_stats()}
 
     return app

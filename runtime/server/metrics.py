@@ -35,7 +35,7 @@ class Metrics:
                              "the engine interleaves them, no cross-request batching)", registry=r)
         self.queued = Gauge("dflash_queue_depth", "Requests waiting for a generation slot", registry=r)
         self.engine_live = Gauge("dflash_engine_live_requests", "Requests holding state in the engine's actors "
-                                 "(await engine.stats(), at scrape time)", registry=r)
+                                 "(engine.snapshot(), at scrape time)", registry=r)
         self.engine_cache = Gauge("dflash_engine_cache_bytes", "Device KV/context cache bytes held by the engine",
                                   registry=r)
         self._position_sums: list[float] = []

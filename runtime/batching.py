@@ -1,0 +1,39 @@
+"""What batching rounds across requests needs besides stacked caches: host readouts and padding.
+
+A batched step produces per-row results on the device. The committer must read them to
+the host, but one read per request would sync once per row: a ``HostReadout`` packs a
+step's per-row integers in one array, read once, the first time any row is asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+
+class HostReadout:
+    """Per-row int32 results of one step (``[R, columns]``), copied to the host once."""
+
+    def __init__(self, columns: Sequence[mx.array]) -> None:
+        self.packed = mx.concatenate([c.astype(mx.int32).reshape(c.shape[0], -1) for c in columns], axis=1)
+        self._host: np.ndarray | None = None
+
+    def row(self, index: int) -> np.ndarray:
+        if self._host is None:
+            self._host = np.array(self.packed)  # waits for the step: the only host sync of it
+        return self._host[index]
+
+
+def pad_rows(rows: Sequence[mx.array], width: int, axis: int = 0) -> mx.array:
+    """Stack rows of unequal length along a new leading axis, zero-padded to ``width`` on ``axis``."""
+    padded = []
+    for row in rows:
+        missing = width - row.shape[axis]
+        if missing:
+            pads = [(0, 0)] * row.ndim
+            pads[axis] = (0, missing)
+            row = mx.pad(row, pads)
+        padded.append(row)
+    return mx.stack(padded)
