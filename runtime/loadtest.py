@@ -39,14 +39,19 @@ async def one_level(client: httpx.AsyncClient, url: str, model: str, chats: list
                     concurrency: int, rounds: int, max_tokens: int) -> dict[str, Any]:
     tokens: list[int] = []
     latencies: list[float] = []
+    errors: list[str] = []
 
     async def worker(index: int) -> None:
         for r in range(rounds):
             body = {"model": model, "messages": chats[(index * rounds + r) % len(chats)], "max_tokens": max_tokens,
                     "temperature": 0.0}
             started = time.perf_counter()
-            response = await client.post(url + "/v1/chat/completions", json=body)
-            response.raise_for_status()
+            try:
+                response = await client.post(url + "/v1/chat/completions", json=body)
+                response.raise_for_status()
+            except httpx.HTTPError as exc:  # counted, not fatal: a server that drops connections shows it
+                errors.append(type(exc).__name__)
+                continue
             latencies.append(time.perf_counter() - started)
             tokens.append(int(response.json()["usage"]["completion_tokens"]))
 
@@ -57,7 +62,8 @@ async def one_level(client: httpx.AsyncClient, url: str, model: str, chats: list
     wall = time.perf_counter() - started
     return {"concurrency": concurrency, "requests": len(tokens), "completion_tokens": sum(tokens),
             "wall_s": round(wall, 3), "tokens_per_s": round(sum(tokens) / wall, 2),
-            "mean_latency_s": round(statistics.mean(latencies), 3)}
+            "mean_latency_s": round(statistics.mean(latencies), 3) if latencies else None, "errors": len(errors),
+            "error_kinds": sorted(set(errors))}
 
 
 async def load_test(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -71,10 +77,11 @@ async def load_test(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def print_table(levels: list[dict[str, Any]]) -> None:
     base = levels[0]["tokens_per_s"] or 1.0
-    print(f"{'streams':>7} {'requests':>8} {'tokens':>7} {'wall s':>7} {'tok/s':>9} {'x one':>6} {'latency s':>9}")
+    print(f"{'streams':>7} {'requests':>8} {'tokens':>7} {'wall s':>7} {'tok/s':>9} {'x one':>6} {'latency s':>9} {'errors':>6}")
     for row in levels:
         print(f"{row['concurrency']:>7} {row['requests']:>8} {row['completion_tokens']:>7} {row['wall_s']:>7.2f} "
-              f"{row['tokens_per_s']:>9.2f} {row['tokens_per_s'] / base:>6.2f} {row['mean_latency_s']:>9.2f}")
+              f"{row['tokens_per_s']:>9.2f} {row['tokens_per_s'] / base:>6.2f} {row['mean_latency_s'] or 0:>9.2f} "
+              f"{row['errors']:>6}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
