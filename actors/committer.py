@@ -44,6 +44,7 @@ class CommitterRequest:
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)  # requests in each round's forwards
     idle_s: list[float] = field(default_factory=list)
     last_ready_at: float | None = None
 
@@ -175,6 +176,7 @@ class Committer(Actor):
         request.rounds += 1
         request.accepted.append(facts.accepted)
         request.block_sizes.append(facts.block_size)
+        request.batch_sizes.append(message.batch_size)
         emission = request.stream.push(facts.committed)
         self.log(RoundRecord(
             request_id=message.request_id, time=time.time(), **recorded_facts(facts), speculative=message.speculative,
@@ -235,4 +237,5 @@ class Committer(Actor):
         n = request.rounds
         block = max(request.block_sizes, default=1)
         return {"rounds": n, "tau": sum(a + 1 for a in request.accepted) / n if n else 0.0,
+                "mean_batch_size": sum(request.batch_sizes) / n if n else 0.0,
                 "acceptance_per_position": [sum(a >= k for a in request.accepted) / n if n else 0.0 for k in range(1, block)]}

@@ -24,7 +24,7 @@ from runtime.models.dflash import DFlashDrafter
 from runtime.server import ServerSettings, create_app
 
 MODEL = "tiny"
-CHAT = [[{"role": "user", "content": f"Hello number {i}, tell me about foxes."}] for i in range(8)]
+CHAT = [[{"role": "user", "content": f"Hello number {i}, tell me about foxes."}] for i in range(16)]
 TEXT = [f"The quick brown fox {i}" for i in range(8)]
 
 
@@ -74,7 +74,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def server(direct: Any, tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> Iterator[ServerThread]:
-    app = create_app(Engine(tiny_llama, tiny_drafter), ServerSettings(model_name=MODEL, max_concurrent=4, max_queue=16))
+    app = create_app(Engine(tiny_llama, tiny_drafter), ServerSettings(model_name=MODEL, max_concurrent=16, max_queue=16))
     with ServerThread(app) as running:
         yield running
 
@@ -174,7 +174,7 @@ def test_malformed_json_and_non_objects(server: ServerThread) -> None:
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (raw, r.text)
 
 
-def test_eight_concurrent_clients_get_their_one_at_a_time_outputs(server: ServerThread, direct: dict[str, list[str]]) -> None:
+def test_sixteen_concurrent_clients_get_their_one_at_a_time_outputs_in_shared_forwards(server: ServerThread, direct: dict[str, list[str]]) -> None:
     async def main() -> list[str]:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
@@ -187,9 +187,13 @@ def test_eight_concurrent_clients_get_their_one_at_a_time_outputs(server: Server
             return out.choices[0].message.content
 
         async with client:
-            return list(await asyncio.gather(*(one(i) for i in range(8))))
+            return list(await asyncio.gather(*(one(i) for i in range(16))))
 
+    batched_before = metric(server, "dflash_batch_size_count") - metric(server, 'dflash_batch_size_bucket{le="1.0"}')
     assert asyncio.run(main()) == direct["chat"]
+    batched = metric(server, "dflash_batch_size_count") - metric(server, 'dflash_batch_size_bucket{le="1.0"}')
+    assert batched > batched_before, "no request shared its forwards with another"
+
 
 
 def _wait_idle(server: ServerThread) -> dict[str, Any]:

@@ -31,8 +31,9 @@ class Metrics:
                              buckets=TAU_BUCKETS, registry=r)
         self.acceptance = Gauge("dflash_acceptance_per_position", "Fraction of rounds whose draft at this block "
                                 "position was accepted (mean over finished requests)", ["position"], registry=r)
-        self.running = Gauge("dflash_running_requests", "Requests generating now (current batch size: "
-                             "the engine interleaves them, no cross-request batching)", registry=r)
+        self.running = Gauge("dflash_running_requests", "Requests generating now", registry=r)
+        self.batch = Histogram("dflash_batch_size", "Mean requests sharing each forward over a request's rounds, "
+                               "per request", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.queued = Gauge("dflash_queue_depth", "Requests waiting for a generation slot", registry=r)
         self.engine_live = Gauge("dflash_engine_live_requests", "Requests holding state in the engine's actors "
                                  "(engine.snapshot(), at scrape time)", registry=r)
@@ -47,6 +48,7 @@ class Metrics:
         if rounds:
             self.rounds.inc(rounds)
             self.tau.observe(float(stats.get("tau", 0.0)))
+            self.batch.observe(float(stats.get("mean_batch_size", 1.0)))
             for k, value in enumerate(stats.get("acceptance_per_position", []) or []):
                 while len(self._position_sums) <= k:
                     self._position_sums.append(0.0)
