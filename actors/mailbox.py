@@ -34,7 +34,7 @@ class Actor:
     async def run(self) -> None:
         async with self.inbox:
             async for message in self.inbox:
-                await self._isolated(message.request_id, lambda: self.handle(message))
+                await self._isolated(message.request_id, self.handle, message)
                 if not self.inbox.statistics().current_buffer_used:
                     await self.flush()
 
@@ -44,9 +44,9 @@ class Actor:
     async def flush(self) -> None:
         """Run the work that the messages handled so far made ready (batching actors)."""
 
-    async def _isolated(self, request_id: str, work: Callable[[], Awaitable[None]]) -> None:
+    async def _isolated(self, request_id: str, work: Callable[..., Awaitable[None]], *args: Any) -> None:
         try:
-            await work()
+            await work(*args)
         except Exception as exc:  # noqa: BLE001  (isolate: one request fails, the actor lives)
             await self.report_failure(request_id, exc)
             self.forget(request_id)
@@ -59,13 +59,13 @@ class Actor:
         """
         ids = list(request_ids)
         if len(ids) == 1:
-            await self._isolated(ids[0], lambda: work(ids))
+            await self._isolated(ids[0], work, ids)
             return
         try:
             await work(ids)
         except Exception:  # noqa: BLE001
             for request_id in ids:
-                await self._isolated(request_id, lambda: work([request_id]))
+                await self._isolated(request_id, work, [request_id])
 
     def forget(self, request_id: str) -> None:
         """Drop every piece of state this actor holds for the request."""

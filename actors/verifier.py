@@ -107,7 +107,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
     async def flush(self) -> None:
         admitted, self._admitted = self._admitted, []
         for admit in admitted:
-            await self._isolated(admit.request_id, lambda: self._prefill(admit))
+            await self._isolated(admit.request_id, self._prefill, admit)
         drafted = {rid: m for rid, m in self._drafted.items() if rid in self.requests}
         self._drafted = {}
         if drafted:

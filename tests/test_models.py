@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from protocol import GenerationParams
+from runtime.cache import StackedKVCache
 from runtime.errors import ContextLengthError
 from runtime.loading import LoadedModel
+from runtime.models.dflash import DFlashDrafter
 from runtime.plain import generate_plain, run_to_end
 
 TOKENS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
@@ -90,3 +92,54 @@ def test_device_length_cache_matches_host_trimmed_cache(tiny_llama: LoadedModel)
         for kept in (4, 6, 7, 9):  # the host learns each round's length, oldest first
             layer.settle(kept)
     assert int(device[0].length.item()) == host[0].offset == device[0].bound == 9
+
+
+def test_a_stacked_forward_gives_each_request_the_logits_of_its_own_forward(tiny_llama: LoadedModel) -> None:
+    """Requests at different KV lengths share one forward: each row writes, ropes and attends at its own length."""
+    model = tiny_llama.model
+    prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32]]
+    alone, shared = [], []
+    for prompt in prompts:  # each request prefilled alone, in two copies of its cache
+        for caches in (alone, shared):
+            cache = model.make_device_cache()
+            model(mx.array([prompt]), cache)
+            for layer in cache:
+                layer.advance(mx.array(len(prompt)))
+            caches.append(cache)
+    block = mx.array([[7, 8, 9], [10, 11, 12], [13, 14, 15]])
+    stacked = [StackedKVCache(layers, block.shape[1]) for layers in zip(*shared)]
+    batched = model(block, stacked).logits
+    for layer in stacked:
+        layer.unstack([block.shape[1]] * len(prompts))
+    for row, cache in enumerate(alone):
+        want = model(block[row : row + 1], cache).logits[0]
+        np.testing.assert_allclose(np.array(batched[row]), np.array(want), atol=1e-5, rtol=1e-5)
+        # the request's own cache got its row back: the next forward continues from it
+        assert int(shared[row][0].length.item()) == len(prompts[row]) and shared[row][0].bound == len(prompts[row]) + 3
+
+
+def test_a_stacked_draft_with_shorter_blocks_gives_each_request_its_own_drafts(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    """Rows with different contexts, kept rows and block sizes: padding past a row's block is never seen."""
+    width = tiny_drafter.args.hidden_size * len(tiny_drafter.tap_layers)
+    rng = np.random.default_rng(0)
+    contexts = [mx.array(rng.standard_normal((1, n, width)).astype(np.float32)) for n in (6, 3, 9)]
+    new_rows = mx.array(rng.standard_normal((3, 4, width)).astype(np.float32))
+    keep, blocks = [4, 1, 2], [4, 2, 3]
+    mask_id = tiny_drafter.args.mask_token_id
+
+    def block_tokens(anchor: int, size: int) -> mx.array:
+        return mx.array([[anchor] + [mask_id] * (size - 1)])
+
+    alone, shared = [], []
+    for ctx in contexts:
+        for caches in (alone, shared):
+            cache = tiny_drafter.make_device_cache()
+            tiny_drafter.write_context(ctx, cache, None)
+            caches.append(cache)
+    want = [tiny_drafter.hidden(block_tokens(20 + r, blocks[r]), new_rows[r : r + 1], alone[r], keep=mx.array(keep[r]))[0]
+            for r in range(3)]
+    stacked = [StackedKVCache(layers, 4) for layers in zip(*shared)]
+    tokens = mx.array([[20 + r] + [mask_id] * (max(blocks) - 1) for r in range(3)])  # padded to the longest block
+    got = tiny_drafter.hidden(tokens, new_rows, stacked, keep=mx.array(keep), block_lens=mx.array(blocks))
+    for r in range(3):
+        np.testing.assert_allclose(np.array(got[r, : blocks[r]]), np.array(want[r]), atol=1e-5, rtol=1e-5)

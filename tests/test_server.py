@@ -283,3 +283,18 @@ def test_shutdown_lets_a_running_stream_finish(tiny_llama: LoadedModel, tiny_dra
     srv.thread.join(30)
     assert not srv.thread.is_alive()
     assert app.state.server.admission.draining and app.state.server.admission.running == 0
+
+
+def test_loadtest_measures_a_live_server_at_each_concurrency(server: ServerThread, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from runtime.loadtest import load_test, parse_args
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHAT[:4]))
+    args = parse_args(["--url", server.url, "--prompts", str(prompts), "--concurrency", "1", "3", "--max-tokens", "8"])
+    levels = anyio.run(load_test, args)
+    assert [level["concurrency"] for level in levels] == [1, 3]
+    for level in levels:
+        assert level["requests"] == 2 * level["concurrency"] and level["errors"] == 0
+        assert 0 < level["completion_tokens"] <= 8 * level["requests"] and level["tokens_per_s"] > 0
