@@ -11,6 +11,7 @@ Runs unchanged on the CPU (float32, slowly) and on a GPU (bfloat16 compute).
 from __future__ import annotations
 
 import argparse
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from .cli import run_cli
 from .defaults import default_model_path
 from .errors import RuntimeErrorBase
-from .loading import DTYPES, LoadedModel, load_target
+from .loading import DTYPES, LoadedModel, load_drafter, load_target
 from .training.corpora import SOURCE_NAMES, load_prompts
 from .training.data import Example, GenerationLimits, ResponseCache, build_examples, cache_file
 from .training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter, parameter_count, save_drafter
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gamma", type=float, help="loss decay over block rows (default 7 for B=16, 4 for B=8)")
     p.add_argument("--anchors-per-seq", type=int, default=64)
+    p.add_argument("--init", type=Path, help="start from this drafter's weights (its layers, taps, block and mask "
+                   "then replace --layers/--taps/--block-size/--mask-token-id): train an existing drafter further")
     p.add_argument("--layers", type=int, default=3, help="drafter layers")
     p.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
     p.add_argument("--taps", type=int, nargs="+", help="0-based target layers tapped (default: z-lab's spread)")
@@ -91,6 +94,10 @@ class Run:
 def prepare(args: argparse.Namespace) -> Run:
     dtype = compute_dtype(args.dtype)
     target = load_target(args.model or default_model_path(), dtype=dtype)
+    if args.init is not None:
+        config = json.loads((args.init / "config.json").read_text())
+        args.block_size = int(config["dflash_config"].get("block_size", config.get("block_size", args.block_size)))
+        return Run(target, config, dtype)
     mask_id = args.mask_token_id if args.mask_token_id is not None else choose_mask_token(target.model.args, target.tokenizer)
     shape = DrafterShape(args.layers, args.block_size, args.intermediate_size, tuple(args.taps or ()) or None)
     return Run(target, drafter_config(target.model.args, shape, mask_id), dtype)
@@ -169,7 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     refuse_overwriting(args)
     run = prepare(args)
     dtype = DTYPES[run.dtype]
-    drafter = new_drafter(run.config, args.seed, dtype).bind(run.target.model)
+    if args.init is not None:
+        drafter = load_drafter(args.init, run.target)  # checks the pair; weights in the compute dtype
+    else:
+        drafter = new_drafter(run.config, args.seed, dtype).bind(run.target.model)
     print(summary(run, args, parameter_count(drafter)))
     if args.device_check:
         return

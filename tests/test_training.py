@@ -320,3 +320,21 @@ def test_exported_drafter_runs_the_same_in_official_dflash(trained_dir: Path, ti
     noise = np.array(tiny_llama.model.embed(mx.array(block)))
     official = reference_drafter_hidden(str(trained_dir), noise, np.array(ctx[0]), np.arange(5 + BLOCK))
     np.testing.assert_allclose(ours, official, atol=1e-4)  # every tensor loaded, none left at random init
+
+
+def test_training_can_start_from_an_existing_drafter(trained_dir: Path, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--init continues a drafter: its shape and weights are the start (with lr 0 the output is the input)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWhat is two plus two?\nTell me about foxes.\n")
+    out = tmp_path / "more"
+    train_cli.main([
+        "--model", str(tiny_llama_dir), "--init", str(trained_dir), "--out", str(out), "--data", str(prompts),
+        "--samples", "3", "--max-new-tokens", "24", "--epochs", "1", "--batch-size", "2", "--micro-batch", "2",
+        "--anchors-per-seq", "8", "--cache-dir", str(tmp_path / "cache"), "--heldout-fraction", "0", "--no-compile",
+        "--lr", "0",  # no update: the output must be the initial drafter itself
+    ])
+    assert json.loads((out / "config.json").read_text()) == json.loads((trained_dir / "config.json").read_text())
+    before, after = mx.load(str(trained_dir / "model.safetensors")), mx.load(str(out / "model.safetensors"))
+    assert before.keys() == after.keys()
+    for name in before:
+        assert mx.array_equal(before[name], after[name]), name
