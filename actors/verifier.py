@@ -25,7 +25,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from protocol import ActorMessage, Admit, Drafted, GenerationParams, Prefilled, RoundAck, VerdictQueued, Verified
 from runtime.acceptance import stacked_verdicts
 from runtime.batching import HostReadout, pad_rows
-from runtime.cache import DeviceKVCache, StackedKVCache
+from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, StackedKVCache
 from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
@@ -34,6 +34,8 @@ from .mailbox import DeviceStateOwner, send_burst
 
 if TYPE_CHECKING:
     from .drafter import Drafter
+
+PREFILL_BUCKET = ATTENTION_BUCKET
 
 
 class VerifiedRow(NamedTuple):
@@ -119,10 +121,14 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         check_context(self.target, len(message.prompt_ids), message.params.max_tokens)
         request = VerifierRequest(message.params, Sampler(message.params), self.target.make_device_cache(), len(message.prompt_ids))
         queued = time.perf_counter()
-        out = self.target(mx.array([message.prompt_ids]), request.cache, tap_layers=self.tap_layers, last_only=True)
+        n = len(message.prompt_ids)
+        # right-padded to whole buckets: prompts then come in few shapes, and backends that
+        # build kernels per shape (cuDNN attention on CUDA) build them a few times, not per
+        # prompt; the padding lies past the valid length, never attended, overwritten later
+        padded = message.prompt_ids + [message.prompt_ids[-1]] * (-(-n // PREFILL_BUCKET) * PREFILL_BUCKET - n)
+        out = self.target(mx.array([padded]), request.cache, tap_layers=self.tap_layers, logits_row=n - 1)
         assert out.taps is not None
         first = request.sampler.sample(out.logits[:, -1])[0].astype(mx.int32)
-        n = len(message.prompt_ids)
         prompt_len = mx.array(n, dtype=mx.int32)
         for layer in request.cache:
             layer.advance(prompt_len)

@@ -217,11 +217,14 @@ class DecoderModel(nn.Module):
         cache: Sequence[KVCache] | Sequence[DeviceKVCache] | None = None,
         tap_layers: Sequence[int] = (),
         last_only: bool = False,
+        logits_row: int | None = None,
     ) -> ForwardOutput:
         """Forward ``tokens [B, L]``; ``tap_layers`` are 0-based layers whose output is returned.
 
         Taps come out as ``[B, L, n_taps*H]`` in ``tap_layers`` order: the
-        ``[token, layer*dim]`` layout the DFlash drafter's ``fc`` consumes.
+        ``[token, layer*dim]`` layout the DFlash drafter's ``fc`` consumes. ``last_only``
+        computes the last row's logits alone; ``logits_row`` another row's (the last real
+        token of a right-padded prompt).
         """
         h = self.embed(tokens)
         wanted = {lid: i for i, lid in enumerate(tap_layers)}
@@ -232,6 +235,8 @@ class DecoderModel(nn.Module):
                 tapped[wanted[lid]] = h
         if last_only:
             h = h[:, -1:]
+        elif logits_row is not None:
+            h = h[:, logits_row : logits_row + 1]
         logits = self.logits(self.model.norm(h))
         taps = mx.concatenate(tapped, axis=-1) if tap_layers else None  # type: ignore[arg-type]
         return ForwardOutput(logits, taps)
