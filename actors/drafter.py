@@ -22,7 +22,7 @@ import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import ActorMessage, Admit, Drafted, RoundAck, VerdictQueued
-from runtime.batching import HostReadout, pad_rows
+from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
 from runtime.cache import DeviceKVCache, StackedKVCache
 from runtime.models.dflash import DFlashDrafter
 from runtime.speculative import block_size_for
@@ -41,7 +41,7 @@ class DraftedRow(NamedTuple):
 
 @dataclass
 class DraftOutputs:
-    drafts: mx.array  # [block-1]
+    drafts: mx.array  # [width-1]: the request's full block width; the first block-1 are real
     block_size: int
     readout: HostReadout  # the step's drafts, context lengths before and after
     row: int
@@ -66,9 +66,11 @@ class DrafterRequest:
 class Drafter(DeviceStateOwner[DrafterRequest]):
     name = "drafter"
 
-    def __init__(self, drafter: DFlashDrafter, inbox: ObjectReceiveStream[ActorMessage], lookahead: int) -> None:
+    def __init__(self, drafter: DFlashDrafter, inbox: ObjectReceiveStream[ActorMessage], lookahead: int,
+                 pad_batches: bool | None = None) -> None:
         super().__init__(inbox)
         self.drafter = drafter
+        self.pad_batches = default_pad_batches() if pad_batches is None else pad_batches
         self.lookahead = lookahead  # rounds drafted beyond the last acknowledged one: 0 or 1
         self.verifier_inbox: ObjectSendStream[ActorMessage] | None = None
         self.verifier: Verifier | None = None
@@ -143,7 +145,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
             raise
         readout = HostReadout([drafts, ctx_before, ctx_after])
         for row, (request, round, block) in enumerate(zip(requests, rounds, blocks)):
-            request.outputs[round] = DraftOutputs(drafts[row, : block - 1], block, readout, row)
+            request.outputs[round] = DraftOutputs(drafts[row], block, readout, row)
             request.next_round += 1
         mx.async_eval(readout.packed)
         now = time.perf_counter()
@@ -153,35 +155,47 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
 
     def _forward(self, requests: Sequence[DrafterRequest], previous: Sequence[RoundOutputs],
                  blocks: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
-        """Drafts ``[R, L-1]`` and the context lengths before and after, for stacked requests."""
+        """Drafts ``[R, L-1]`` and the context lengths before and after, for stacked requests.
+
+        Every row drafts at its request's full block width (a block shrunk near max_tokens
+        is masked, not cut), so shapes stay the same; blank rows pad the batch when asked.
+        """
+        n = len(requests)
+        rows = padded_batch(n) if self.pad_batches else n
+        width = max(r.block_size for r in requests)
         fresh = [p.block_size == 0 for p in previous]  # after the prefill: the whole prompt is new context
         ctx_before = mx.stack([r.cache[0].length for r in requests])
         for request, prev, new in zip(requests, previous, fresh):
-            if new and len(requests) > 1:
+            if new and rows > 1:
                 self.drafter.write_context(prev.taps, request.cache, prev.keep)
-        width = max(blocks)
-        mask_id = self.drafter.args.mask_token_id
-        anchors = mx.stack([p.bonus for p in previous])
-        tokens = mx.concatenate([anchors[:, None], mx.full((len(requests), width - 1), mask_id, dtype=mx.int32)], axis=1)
-        if len(requests) == 1:
+        zero = mx.array(0, dtype=mx.int32)
+        anchors = mx.stack([p.bonus for p in previous] + [zero] * (rows - n))
+        mask = mx.full((rows, width - 1), self.drafter.args.mask_token_id, dtype=mx.int32)
+        tokens = mx.concatenate([anchors[:, None], mask], axis=1)
+        lens = list(blocks) + [1] * (rows - n)
+        block_lens = mx.array(lens) if min(lens) < width else None
+        ctx_rows = 0
+        if rows == 1:
             caches: Sequence[DeviceKVCache] = requests[0].cache
-            ctx, keep, block_lens = previous[0].taps, previous[0].keep, None
+            ctx, keep = previous[0].taps, previous[0].keep
         else:
-            ctx_rows = max((p.taps.shape[1] for p, new in zip(previous, fresh) if not new), default=0)
-            caches = [StackedKVCache(layers, ctx_rows) for layers in zip(*(r.cache for r in requests))]
+            ctx_rows = width if not all(fresh) else 0
+            blanks = [[layer.blank() for layer in requests[0].cache] for _ in range(rows - n)]
+            caches = [StackedKVCache(layers, ctx_rows) for layers in zip(*(r.cache for r in requests), *blanks)]
             ctx = keep = None
-            if ctx_rows:  # newcomers take part with zero rows, none kept
-                ctx = pad_rows([p.taps[0] if not new else p.taps[0, :0] for p, new in zip(previous, fresh)], ctx_rows)
-                keep = mx.stack([p.keep if not new else mx.array(0, dtype=mx.int32) for p, new in zip(previous, fresh)])
-            block_lens = mx.array(blocks) if min(blocks) < width else None
+            if ctx_rows:  # newcomers and blank rows take part with zero rows, none kept
+                none = previous[0].taps[0, :0]
+                ctx = pad_rows([p.taps[0] if not new else none for p, new in zip(previous, fresh)]
+                               + [none] * (rows - n), ctx_rows)
+                keep = mx.stack([p.keep if not new else zero for p, new in zip(previous, fresh)] + [zero] * (rows - n))
         hidden = self.drafter.hidden(tokens, ctx, caches, keep=keep, block_lens=block_lens)
         if width > 1:
-            drafts = mx.argmax(self.drafter.logits(hidden[:, 1:]), axis=-1).astype(mx.int32)
+            drafts = mx.argmax(self.drafter.logits(hidden[:n, 1:]), axis=-1).astype(mx.int32)
         else:
-            drafts = mx.zeros((len(requests), 0), dtype=mx.int32)
-        ctx_after = caches[0].length.reshape(-1)
-        if len(requests) > 1:
+            drafts = mx.zeros((n, 0), dtype=mx.int32)
+        ctx_after = caches[0].length.reshape(-1)[:n]
+        if rows > 1:
             for layer in caches:
                 assert isinstance(layer, StackedKVCache)
-                layer.unstack([0 if new else ctx_rows for new in fresh])
+                layer.unstack([0 if new else ctx_rows for new in fresh] + [0] * (rows - n))
         return drafts, ctx_before, ctx_after

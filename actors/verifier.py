@@ -24,7 +24,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import ActorMessage, Admit, Drafted, GenerationParams, Prefilled, RoundAck, VerdictQueued, Verified
 from runtime.acceptance import stacked_verdicts
-from runtime.batching import HostReadout, pad_rows
+from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
 from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, StackedKVCache
 from runtime.models import DecoderModel
 from runtime.plain import check_context
@@ -77,9 +77,11 @@ class VerifierRequest:
 class Verifier(DeviceStateOwner[VerifierRequest]):
     name = "verifier"
 
-    def __init__(self, target: DecoderModel, tap_layers: tuple[int, ...], inbox: ObjectReceiveStream[ActorMessage]) -> None:
+    def __init__(self, target: DecoderModel, tap_layers: tuple[int, ...], inbox: ObjectReceiveStream[ActorMessage],
+                 pad_batches: bool | None = None) -> None:
         super().__init__(inbox)
         self.target, self.tap_layers = target, tap_layers
+        self.pad_batches = default_pad_batches() if pad_batches is None else pad_batches
         self.committer: ObjectSendStream[ActorMessage] | None = None
         self.drafter_inbox: ObjectSendStream[ActorMessage] | None = None
         self.drafter: Drafter | None = None
@@ -142,25 +144,32 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         await self.drafter_inbox.send(VerdictQueued(request_id=message.request_id, round=-1))
 
     async def _verify(self, rounds: Sequence[Drafted]) -> None:
-        """One target forward for the given rounds of different requests."""
+        """One target forward for the given rounds of different requests (plus blank padding rows)."""
         assert self.committer is not None and self.drafter_inbox is not None and self.drafter is not None
         requests = [self.requests[m.request_id] for m in rounds]
         blocks = [m.block_size for m in rounds]
-        width = max(blocks)
+        n = len(rounds)
+        rows = padded_batch(n) if self.pad_batches else n
         queued = time.perf_counter()
-        drafts = pad_rows([self.drafter.outputs(m.request_id, m.round).drafts for m in rounds], width - 1)
-        anchors = mx.stack([r.outputs[m.round - 1].bonus for r, m in zip(requests, rounds)])
+        # drafts come at the drafter's full width, so a block shrunk near max_tokens keeps the shape
+        drafted = [self.drafter.outputs(m.request_id, m.round).drafts for m in rounds]
+        width = max(d.shape[0] for d in drafted) + 1
+        blank = mx.zeros((0,), dtype=mx.int32)
+        drafts = pad_rows(drafted + [blank] * (rows - n), width - 1)
+        anchors = mx.stack([r.outputs[m.round - 1].bonus for r, m in zip(requests, rounds)]
+                           + [mx.array(0, dtype=mx.int32)] * (rows - n))
         tokens = mx.concatenate([anchors[:, None], drafts], axis=1)
-        with self._stacked([r.cache for r in requests], width) as caches:
-            kv_before = caches[0].length.reshape(-1)
+        with self._stacked([r.cache for r in requests], width, rows) as caches:
+            kv_before = caches[0].length.reshape(-1)[:n]
             out = self.target(tokens, caches, tap_layers=self.tap_layers)
             assert out.taps is not None
-            verdict = stacked_verdicts(drafts, out.logits, [b - 1 for b in blocks], [r.params for r in requests],
+            verdict = stacked_verdicts(drafts[:n], out.logits[:n], [b - 1 for b in blocks], [r.params for r in requests],
                                        [r.sampler for r in requests])
             keep = verdict.accepted + 1
+            kept = mx.concatenate([keep, mx.zeros((rows - n,), dtype=mx.int32)]) if rows > n else keep
             for layer in caches:
-                layer.advance(keep if len(requests) > 1 else keep[0])
-            kv_after = caches[0].length.reshape(-1)
+                layer.advance(kept if rows > 1 else kept[0])
+            kv_after = caches[0].length.reshape(-1)[:n]
         readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, verdict.target_tokens])
         for row, (request, message, block) in enumerate(zip(requests, rounds, blocks)):
             request.outputs[message.round] = RoundOutputs(verdict.bonus[row], out.taps[row : row + 1, :block], keep[row],
@@ -168,24 +177,26 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         mx.async_eval(readout.packed, out.taps)
         await send_burst(self.committer, [Verified(
             request_id=m.request_id, round=m.round, block_size=m.block_size, speculative=m.speculative,
-            draft_queued_at=m.draft_queued_at, verify_queued_at=queued, batch_size=len(rounds)) for m in rounds])
+            draft_queued_at=m.draft_queued_at, verify_queued_at=queued, batch_size=n) for m in rounds])
         await send_burst(self.drafter_inbox, [VerdictQueued(request_id=m.request_id, round=m.round) for m in rounds])
 
     @contextmanager
-    def _stacked(self, caches: Sequence[list[DeviceKVCache]], new_rows: int) -> Iterator[Sequence[DeviceKVCache]]:
-        """The layers' caches of these requests for one forward (stacked when more than one).
+    def _stacked(self, caches: Sequence[list[DeviceKVCache]], new_rows: int,
+                 rows: int) -> Iterator[Sequence[DeviceKVCache]]:
+        """The layers' caches of these requests for one forward (stacked, with blank rows up to ``rows``).
 
         On failure every member's caches are restored, so a retry starts from the same state.
         """
         saved = [[layer.snapshot() for layer in request] for request in caches]
         try:
-            if len(caches) == 1:
+            if rows == 1:
                 yield caches[0]
                 return
-            stacked = [StackedKVCache(layers, new_rows) for layers in zip(*caches)]
+            blanks = [[layer.blank() for layer in caches[0]] for _ in range(rows - len(caches))]
+            stacked = [StackedKVCache(layers, new_rows) for layers in zip(*caches, *blanks)]
             yield stacked
             for layer in stacked:
-                layer.unstack([new_rows] * len(caches))
+                layer.unstack([new_rows] * len(caches) + [0] * len(blanks))
         except BaseException:
             for request, states in zip(caches, saved):
                 for layer, state in zip(request, states):

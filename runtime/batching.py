@@ -3,6 +3,11 @@
 A batched step produces per-row results on the device. The committer must read them to
 the host, but one read per request would sync once per row: a ``HostReadout`` packs a
 step's per-row integers in one array, read once, the first time any row is asked for.
+
+Batch shapes: backends that build kernels per shape (cuDNN attention on CUDA) would
+build new ones whenever the number of requests in a step changes. With ``pad_batches``
+a step runs ``padded_batch(R)`` rows (a power of two), the extra ones blank; on the CPU,
+where padding rows is real compute and no kernel is built per shape, it is off.
 """
 
 from __future__ import annotations
@@ -24,6 +29,15 @@ class HostReadout:
         if self._host is None:
             self._host = np.array(self.packed)  # waits for the step: the only host sync of it
         return self._host[index]
+
+
+def padded_batch(rows: int) -> int:
+    """The next power of two: a few batch shapes for any number of requests."""
+    return 1 << (rows - 1).bit_length()
+
+
+def default_pad_batches() -> bool:
+    return mx.default_device() == mx.gpu
 
 
 def pad_rows(rows: Sequence[mx.array], width: int, axis: int = 0) -> mx.array:

@@ -168,6 +168,13 @@ class DeviceKVCache:
             return 0
         return self.keys.nbytes + self.values.nbytes
 
+    def blank(self) -> "DeviceKVCache":
+        """An empty cache shaped like this one: a padding row of a stacked step."""
+        other = DeviceKVCache()
+        assert self.keys is not None and self.values is not None
+        other.keys, other.values = mx.zeros_like(self.keys), mx.zeros_like(self.values)
+        return other
+
 
 class StackedKVCache(DeviceKVCache):
     """One layer's caches of several requests on the batch axis, for one batched forward.

@@ -42,7 +42,9 @@ class EngineStats:
 
 class Engine:
     def __init__(self, target: LoadedModel, drafter: DFlashDrafter, *, mode: str = "pipelined",
-                 log: str | Path | None = None, drafter_identity: ModelIdentity | None = None) -> None:
+                 log: str | Path | None = None, drafter_identity: ModelIdentity | None = None,
+                 pad_batches: bool | None = None) -> None:
+        """``pad_batches``: run batched steps at power-of-two row counts (default: on a GPU only)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         self.target, self.drafter, self.mode = target, drafter, mode
@@ -52,10 +54,11 @@ class Engine:
         self._ids = itertools.count()
         self._task_group: TaskGroup | None = None
         self._inboxes: dict[str, ObjectSendStream[ActorMessage]] = {}
+        self._pad_batches = pad_batches
 
     @classmethod
     def load(cls, model: str | Path | None = None, draft: str | Path | None = None, *, mode: str = "pipelined",
-             log: str | Path | None = None, dtype: str = "auto") -> "Engine":
+             log: str | Path | None = None, dtype: str = "auto", pad_batches: bool | None = None) -> "Engine":
         """Load the target (default SmolLM2-135M-Instruct) and the drafter (default: bundled)."""
         target = load_target(model or default_model_path(), dtype=dtype)
         drafter = resolve_drafter(str(draft) if draft is not None else None, target)
@@ -63,7 +66,7 @@ class Engine:
         if draft is not None and not str(draft).startswith("random:"):
             path = Path(draft)
             identity = ModelIdentity(path.name, str(path), "dflash", hash_folder(path))
-        return cls(target, drafter, mode=mode, log=log, drafter_identity=identity)
+        return cls(target, drafter, mode=mode, log=log, drafter_identity=identity, pad_batches=pad_batches)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -72,8 +75,8 @@ class Engine:
         verifier_send, verifier_recv = make_inbox()
         committer_send, committer_recv = make_inbox()
         model = self.target.model
-        self.verifier = Verifier(model, self.drafter.tap_layers, verifier_recv)
-        self.drafter_actor = Drafter(self.drafter, drafter_recv, MODES[self.mode])
+        self.verifier = Verifier(model, self.drafter.tap_layers, verifier_recv, self._pad_batches)
+        self.drafter_actor = Drafter(self.drafter, drafter_recv, MODES[self.mode], self._pad_batches)
         self.committer = Committer(self.target.tokenizer, len(self.drafter.tap_layers), model.args.hidden_size,
                                    committer_recv, log=self.log.write if self.log else None)
         self.verifier.committer, self.verifier.drafter_inbox, self.verifier.drafter = committer_send, drafter_send, self.drafter_actor

@@ -226,27 +226,30 @@ def _run_concurrently(engine: Engine, prompts: list[list[int]], params: list[Gen
     return main
 
 
-@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+@pytest.mark.parametrize("mode,pad", [("pipelined", False), ("sequential", False), ("pipelined", True)])
 def test_concurrent_requests_share_forwards_and_each_gets_its_alone_output(
-        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, mode: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, mode: str, pad: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from protocol import records
 
-    # different block sizes, limits that end mid-block, prompts of different lengths
+    # different block sizes, limits that end mid-block, prompts of different lengths; with pad,
+    # steps run at power-of-two row counts (as on a GPU) and the blank rows must change nothing
     params = [GenerationParams(max_tokens=9 + 3 * (i % 5), block_size=2 + i % 7) for i in range(12)]
     log = tmp_path / "rounds.jsonl"
-    results = run(_run_concurrently(Engine(tiny_llama, tiny_drafter, mode=mode, log=log), PROMPTS[:12], params))
+    engine = Engine(tiny_llama, tiny_drafter, mode=mode, log=log, pad_batches=pad)
+    results = run(_run_concurrently(engine, PROMPTS[:12], params))
     for i in range(12):
         assert results[i] == plain(tiny_llama, PROMPTS[i], params[i])
     sizes = [r.batch_size for r in map(records.from_json, log.read_text().splitlines()) if type(r).__name__ == "RoundRecord"]
     assert max(sizes) >= 8, f"rounds were not batched: batch sizes {sorted(set(sizes))}"
 
 
-def test_seeded_sampling_is_the_same_in_a_batch_as_alone(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+@pytest.mark.parametrize("pad", [False, True])
+def test_seeded_sampling_is_the_same_in_a_batch_as_alone(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, pad: bool) -> None:
     sampled = [GenerationParams(max_tokens=16, temperature=1.2, seed=i, block_size=3 + i % 3) for i in range(6)]
     greedy = [GenerationParams(max_tokens=14, block_size=4)] * 4
     params = sampled + greedy
     prompts = PROMPTS[:10]
-    together = run(_run_concurrently(Engine(tiny_llama, tiny_drafter), prompts, params))
+    together = run(_run_concurrently(Engine(tiny_llama, tiny_drafter, pad_batches=pad), prompts, params))
     for i in range(10):
         alone = run(_run_concurrently(Engine(tiny_llama, tiny_drafter), [prompts[i]], [params[i]]))
         assert together[i] == alone[0]
