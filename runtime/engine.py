@@ -23,6 +23,7 @@ from actors import Committer, Drafter, Verifier
 from actors.mailbox import make_inbox
 from protocol import ActorMessage, Admit, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
 
+from .batching import default_pad_batches
 from .defaults import default_model_path
 from .drafters import resolve_drafter
 from .loading import LoadedModel, hash_folder, load_target
@@ -55,6 +56,11 @@ class Engine:
         self._task_group: TaskGroup | None = None
         self._inboxes: dict[str, ObjectSendStream[ActorMessage]] = {}
         self._pad_batches = pad_batches
+
+    @property
+    def pads_batches(self) -> bool:
+        """Whether batched steps run at power-of-two row counts (see runtime.batching)."""
+        return default_pad_batches() if self._pad_batches is None else self._pad_batches
 
     @classmethod
     def load(cls, model: str | Path | None = None, draft: str | Path | None = None, *, mode: str = "pipelined",

@@ -298,3 +298,20 @@ def test_loadtest_measures_a_live_server_at_each_concurrency(server: ServerThrea
     for level in levels:
         assert level["requests"] == 2 * level["concurrency"] and level["errors"] == 0
         assert 0 < level["completion_tokens"] <= 8 * level["requests"] and level["tokens_per_s"] > 0
+
+
+def test_warm_up_runs_batched_steps_when_batches_are_padded(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter,
+                                                            tmp_path: Any) -> None:
+    from protocol import records
+    from protocol.records import RoundRecord
+
+    log = tmp_path / "warm.jsonl"
+    engine = Engine(tiny_llama, tiny_drafter, pad_batches=True, log=log)
+    with ServerThread(create_app(engine, ServerSettings(model_name=MODEL, max_concurrent=4))) as srv:
+        deadline = time.time() + 30
+        while httpx.get(srv.url + "/health").status_code != 200:
+            assert time.time() < deadline, "never became ready"
+            time.sleep(0.05)
+        logged = map(records.from_json, log.read_text().splitlines())
+        sizes = {r.batch_size for r in logged if isinstance(r, RoundRecord)}
+    assert max(sizes) >= 2, f"warm-up never batched: {sizes}"

@@ -278,7 +278,19 @@ class Server:
         return last
 
     async def warm_up(self) -> None:
+        """One short generation; where batched steps run at power-of-two sizes (a GPU), also one
+        step of each size up to ``max_concurrent``, so the first clients do not wait for kernels
+        built per shape."""
         ids = self.engine.encode("Hello") or [0]
+        sizes = [1]
+        while self.engine.pads_batches and sizes[-1] < self.settings.max_concurrent:
+            sizes.append(sizes[-1] * 2)
+        for size in sizes:
+            async with anyio.create_task_group() as tg:
+                for _ in range(size):
+                    tg.start_soon(self._warm_up_one, ids)
+
+    async def _warm_up_one(self, ids: list[int]) -> None:
         async for event in self.engine.generate(ids, GenerationParams(max_tokens=4, temperature=0.0)):
             if event.finish_reason == "error":
                 raise RuntimeError(f"warm-up generation failed: {event.error}")
