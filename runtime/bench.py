@@ -141,8 +141,11 @@ def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int
         anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
     reference = [run_dflash(target, drafter, p, params) for p in ids]
     engines = {mode: anyio.run(run_engine, target, drafter, ids, params, mode) for mode in MODES}
-    exact = {"reference": [r.token_ids for r, _ in reference] == want,
-             **{mode: [t for t, _ in res] == want for mode, res in engines.items()}}
+    outputs = {"reference": [r.token_ids for r, _ in reference], **{m: [t for t, _ in res] for m, res in engines.items()}}
+    exact = {mode: got == want for mode, got in outputs.items()}
+    # in half precision a block verify and one-token forwards round differently, so near-ties
+    # may flip: how many outputs still equal plain greedy says how often
+    equal = {mode: sum(g == w for g, w in zip(got, want)) for mode, got in outputs.items()}
     block = block_size_for(drafter, params)
     merged = SpeculativeStats([r for _, s in reference for r in s.rounds])
     ref = {**aggregate([r for r, _ in reference]), **merged.summary(block), "round_parts_ms": round_costs_ms([s for _, s in reference])}
@@ -151,7 +154,7 @@ def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int
     return {
         "block_size": block, "reference": ref, "sequential": modes["sequential"], "dflash": dflash,
         "pipelined_over_sequential": round(dflash["tokens_per_s"] / (modes["sequential"]["tokens_per_s"] or 1.0), 3),
-        "exact": all(exact.values()), "exact_per_mode": exact,
+        "exact": all(exact.values()), "exact_per_mode": exact, "equal_outputs_per_mode": equal,
     }
 
 
@@ -159,16 +162,17 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"device {report['device']} ({report['dtype']}{', quantized' if report['quantized'] else ''}), "
           f"{report['prompts']} prompts, max_tokens {report['max_tokens']}, block {report.get('block_size', '-')}, "
           f"load {report.get('load_s', 0):.1f} s")
-    print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'exact':>6}")
+    print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'= plain':>7}")
     plain_speed = report["plain"]["tokens_per_s"] or 1.0
     names = [("plain", "plain"), ("reference", "reference"), ("sequential", "sequential"), ("pipelined", "dflash")]
     for name, key in names:
         if key not in report:
             continue
         row = report[key]
-        exact = report.get("exact_per_mode", {}).get(name, "")
+        equal = report.get("equal_outputs_per_mode", {}).get(name)
+        exact = f"{equal}/{report['prompts']}" if equal is not None else ""
         print(f"{name:<11} {row['tokens_per_s']:>9.2f} {row['tokens_per_s'] / plain_speed:>8.2f} {row['ttft_ms']:>9.1f} "
-              f"{row.get('tau', 1.0):>6.2f} {row.get('round_ms', 0.0):>9.2f} {row.get('gpu_idle_ms_per_round', 0.0):>10.3f} {str(exact):>6}")
+              f"{row.get('tau', 1.0):>6.2f} {row.get('round_ms', 0.0):>9.2f} {row.get('gpu_idle_ms_per_round', 0.0):>10.3f} {exact:>7}")
     if "dflash" in report:
         print("acceptance per block position:", " ".join(f"{x:.2f}" for x in report["dflash"]["acceptance_per_position"]))
         print("reference round parts (ms):", ", ".join(f"{k[:-2]} {v}" for k, v in report["reference"]["round_parts_ms"].items()))
