@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -9,9 +11,10 @@ import pytest
 from protocol import GenerationParams
 from runtime.cache import StackedKVCache
 from runtime.errors import ContextLengthError
-from runtime.loading import LoadedModel
-from runtime.models.dflash import DFlashDrafter
+from runtime.loading import LoadedModel, load_drafter
 from runtime.plain import generate_plain, run_to_end
+
+from . import fixtures
 
 TOKENS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 
@@ -118,8 +121,21 @@ def test_a_stacked_forward_gives_each_request_the_logits_of_its_own_forward(tiny
         assert int(shared[row][0].length.item()) == len(prompts[row]) and shared[row][0].bound == len(prompts[row]) + 3
 
 
-def test_a_stacked_draft_with_shorter_blocks_gives_each_request_its_own_drafts(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+DRAFTER_VARIANTS = {
+    "full": {},
+    "sliding_causal": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4, "use_sliding_window": True},
+    "all_causal": {"is_causal": True},
+    "window_bidirectional": {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 3,
+                             "use_sliding_window": True, "is_causal": False},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DRAFTER_VARIANTS))
+def test_a_stacked_draft_with_shorter_blocks_gives_each_request_its_own_drafts(
+        tiny_llama: LoadedModel, tmp_path: Path, variant: str) -> None:
     """Rows with different contexts, kept rows and block sizes: padding past a row's block is never seen."""
+    config = {**fixtures.drafter_config(fixtures.tiny_config("llama"), block_size=8), **DRAFTER_VARIANTS[variant]}
+    tiny_drafter = load_drafter(fixtures.drafter_folder(tmp_path / "d", config, fixtures.drafter_weights(config)), tiny_llama)
     width = tiny_drafter.args.hidden_size * len(tiny_drafter.tap_layers)
     rng = np.random.default_rng(0)
     contexts = [mx.array(rng.standard_normal((1, n, width)).astype(np.float32)) for n in (6, 3, 9)]
