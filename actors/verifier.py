@@ -107,6 +107,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
         self._drafted.pop(request_id, None)
+        self._admitted = [a for a in self._admitted if a.request_id != request_id]  # not prefilled yet
 
     async def flush(self) -> None:
         admitted, self._admitted = self._admitted, []
@@ -204,11 +205,11 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             raise
 
     def _acknowledged(self, ack: RoundAck) -> None:
+        if ack.finished:
+            self.forget(ack.request_id)  # also a request admitted but not prefilled yet
+            return
         request = self.requests.get(ack.request_id)
         if request is None:
-            return
-        if ack.finished:
-            self.forget(ack.request_id)
             return
         if ack.round >= 0:
             for layer in request.cache:

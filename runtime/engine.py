@@ -21,7 +21,7 @@ from anyio.abc import ObjectSendStream, TaskGroup
 
 from actors import Committer, Drafter, Verifier
 from actors.mailbox import make_inbox
-from protocol import ActorMessage, Admit, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
+from protocol import ActorMessage, Admit, GenerationParams, ModelIdentity, RequestRecord, RoundAck, TokenEvent
 
 from .batching import default_pad_batches
 from .defaults import default_model_path
@@ -160,6 +160,14 @@ class Engine:
         """
         for actor in (self.committer, self.drafter_actor, self.verifier):
             actor.cancel(request_id)
+        # an Admit still queued would bring the request back after this: a finish queued behind
+        # it drops it again; and the drafter, which may hold the other requests' next step for
+        # this one (lockstep), then looks again at who is ready
+        for name in ("drafter", "verifier"):
+            try:
+                self._inboxes[name].send_nowait(RoundAck(request_id=request_id, round=-1, finished=True))
+            except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError, KeyError):
+                pass  # a full inbox will bring a flush anyway; a closed one has no actor left
 
     async def stats(self) -> EngineStats:
         """Live requests and cache bytes, once the actors have handled what is in flight."""

@@ -253,3 +253,83 @@ def test_seeded_sampling_is_the_same_in_a_batch_as_alone(tiny_llama: LoadedModel
     for i in range(10):
         alone = run(_run_concurrently(Engine(tiny_llama, tiny_drafter), [prompts[i]], [params[i]]))
         assert together[i] == alone[0]
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+def test_cancelling_one_batched_request_lets_the_others_finish(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter,
+                                                                mode: str) -> None:
+    params = GenerationParams(max_tokens=40, block_size=4)
+
+    async def main() -> Any:
+        results: dict[int, list[int]] = {}
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
+            async def one(i: int) -> None:
+                ids: list[int] = []
+                async for event in engine.generate(PROMPTS[i], params):
+                    ids += event.token_ids
+                    if i == 0 and len(ids) >= 6:
+                        return  # leaves mid-request: cancelled while the others share its steps
+                results[i] = ids
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(4):
+                        tg.start_soon(one, i)
+            return results, await engine.stats()
+
+    results, stats = run(main)
+    for i in (1, 2, 3):
+        assert results[i] == plain(tiny_llama, PROMPTS[i], params)
+    assert stats.live_requests == 0
+
+
+def test_cancelling_at_any_point_of_admission_leaves_no_state_and_blocks_nobody(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    """Cancelled after k scheduler turns, for many k: before, during and after the actors see its Admit."""
+    params = GenerationParams(max_tokens=12, block_size=4)
+    want = plain(tiny_llama, PROMPTS[6], params)
+
+    async def main() -> Any:
+        async with Engine(tiny_llama, tiny_drafter) as engine:
+            for turns in range(12):
+                doomed_scope = anyio.CancelScope()
+                got: list[list[int]] = []
+
+                async def doomed() -> None:
+                    with doomed_scope:
+                        async for _ in engine.generate(PROMPTS[5], GenerationParams(max_tokens=200, block_size=4)):
+                            pass
+
+                async def survivor() -> None:
+                    got.append((await collect(engine, PROMPTS[6], params))[0])
+
+                with anyio.fail_after(30):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(doomed)
+                        tg.start_soon(survivor)
+                        for _ in range(turns):
+                            await anyio.sleep(0)
+                        doomed_scope.cancel()
+                assert got == [want], turns
+                stats = await engine.stats()
+                assert stats.live_requests == 0 and stats.cache_bytes == 0, turns
+
+    run(main)
+
+
+def test_a_request_cancelled_while_its_admit_is_still_queued_leaves_no_state(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    from protocol import Admit
+
+    async def main() -> Any:
+        async with Engine(tiny_llama, tiny_drafter) as engine:
+            admit = Admit(request_id="late", prompt_ids=PROMPTS[3], params=GenerationParams(max_tokens=8))
+            for name in ("drafter", "verifier"):  # queued, not yet handled by either actor
+                engine._inboxes[name].send_nowait(admit)
+            engine.cancel("late")
+            with anyio.fail_after(30):  # a drafter still holding "late" would make the next request wait for it
+                return await engine.stats(), (await collect(engine, PROMPTS[4], GenerationParams(max_tokens=8)))[0]
+
+    stats, after = run(main)
+    assert stats.live_requests == 0 and stats.cache_bytes == 0
+    assert after == plain(tiny_llama, PROMPTS[4], GenerationParams(max_tokens=8))  # and nobody waits for it
