@@ -39,3 +39,32 @@ def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smoll
         accepted += sum(r.facts.accepted + 1 for r in stats.rounds)
         rounds += len(stats.rounds)
     assert accepted / rounds > MIN_TAU
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_batched_requests_on_the_real_model_equal_plain_greedy(smollm2: LoadedModel, pad: bool) -> None:
+    """The engine batches these concurrent requests into shared forwards; each output stays the target's own."""
+    import anyio
+
+    from runtime.engine import Engine
+
+    path = default_drafter_path()
+    assert path is not None
+    drafter = load_drafter(path, smollm2)
+    prompts = [ids for _, ids in read_prompts(PROMPTS, smollm2)]
+    params = GenerationParams(max_tokens=32)
+
+    async def main() -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        async with Engine(smollm2, drafter, pad_batches=pad) as engine:
+            async def one(i: int) -> None:
+                out[i] = [t async for e in engine.generate(prompts[i], params) for t in e.token_ids]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+        return out
+
+    got = anyio.run(main)
+    for i, ids in enumerate(prompts):
+        assert got[i] == run_plain(smollm2, ids, params).token_ids, i
