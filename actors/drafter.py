@@ -23,7 +23,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import ActorMessage, Admit, Drafted, RoundAck, VerdictQueued
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
-from runtime.cache import DeviceKVCache, StackedKVCache
+from runtime.cache import DeviceKVCache, StackedKVCache, restored_on_failure
 from runtime.models.dflash import DFlashDrafter
 from runtime.speculative import block_size_for
 
@@ -135,14 +135,8 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         rounds = [r.next_round for r in requests]
         blocks = [self._block_for(r, n) for r, n in zip(requests, rounds)]
         previous = [self.verifier.outputs(rid, n - 1) for rid, n in zip(request_ids, rounds)]
-        saved = [[layer.snapshot() for layer in r.cache] for r in requests]
-        try:
+        with restored_on_failure([r.cache for r in requests]):
             drafts, ctx_before, ctx_after = self._forward(requests, previous, blocks)
-        except BaseException:
-            for request, states in zip(requests, saved):
-                for layer, state in zip(request.cache, states):
-                    layer.restore(state)
-            raise
         readout = HostReadout([drafts, ctx_before, ctx_after])
         for row, (request, round, block) in enumerate(zip(requests, rounds, blocks)):
             request.outputs[round] = DraftOutputs(drafts[row], block, readout, row)

@@ -25,7 +25,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from protocol import ActorMessage, Admit, Drafted, GenerationParams, Prefilled, RoundAck, VerdictQueued, Verified
 from runtime.acceptance import stacked_verdicts
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
-from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, StackedKVCache
+from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, StackedKVCache, restored_on_failure
 from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
@@ -188,8 +188,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
 
         On failure every member's caches are restored, so a retry starts from the same state.
         """
-        saved = [[layer.snapshot() for layer in request] for request in caches]
-        try:
+        with restored_on_failure(caches):
             if rows == 1:
                 yield caches[0]
                 return
@@ -198,11 +197,6 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             yield stacked
             for layer in stacked:
                 layer.unstack([new_rows] * len(caches) + [0] * len(blanks))
-        except BaseException:
-            for request, states in zip(caches, saved):
-                for layer, state in zip(request, states):
-                    layer.restore(state)
-            raise
 
     def _acknowledged(self, ack: RoundAck) -> None:
         if ack.finished:

@@ -8,7 +8,8 @@ attended because attention reads only ``[:offset]``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 
@@ -216,6 +217,19 @@ def _fit(buffer: mx.array | None, capacity: int) -> mx.array:
         return buffer[..., :capacity, :]
     b, h, t, d = buffer.shape
     return mx.concatenate([buffer, mx.zeros((b, h, capacity - t, d), buffer.dtype)], axis=2)
+
+
+@contextmanager
+def restored_on_failure(caches: Sequence[Sequence[DeviceKVCache]]) -> Iterator[None]:
+    """Give every cache back the state it had on entry if the block raises (a batched step's retry starts clean)."""
+    saved = [[layer.snapshot() for layer in layers] for layers in caches]
+    try:
+        yield
+    except BaseException:
+        for layers, states in zip(caches, saved):
+            for layer, state in zip(layers, states):
+                layer.restore(state)
+        raise
 
 
 def trim_caches(caches: list[KVCache], n: int) -> None:

@@ -333,3 +333,39 @@ def test_a_request_cancelled_while_its_admit_is_still_queued_leaves_no_state(
     stats, after = run(main)
     assert stats.live_requests == 0 and stats.cache_bytes == 0
     assert after == plain(tiny_llama, PROMPTS[4], GenerationParams(max_tokens=8))  # and nobody waits for it
+
+
+def test_a_failed_batched_step_is_retried_per_request_from_the_same_state(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    """The first batched draft fails after newcomers' context went in: the retry must start from before it."""
+    params = GenerationParams(max_tokens=16, block_size=4)
+
+    async def main() -> dict[int, list[int]]:
+        results: dict[int, list[int]] = {}
+        async with Engine(tiny_llama, tiny_drafter) as engine:
+            drafter = engine.drafter_actor.drafter
+            real_hidden, failed = drafter.hidden, []
+
+            def flaky_hidden(block: Any, *args: Any, **kwargs: Any) -> Any:
+                if block.shape[0] > 1 and not failed:
+                    failed.append(block.shape[0])
+                    raise RuntimeError("injected failure of a batched draft")
+                return real_hidden(block, *args, **kwargs)
+
+            drafter.hidden = flaky_hidden  # type: ignore[method-assign]
+
+            async def one(i: int) -> None:
+                ids, last = await collect(engine, PROMPTS[i], params)
+                assert last.finish_reason != "error", last.error
+                results[i] = ids
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(4):
+                        tg.start_soon(one, i)
+            assert failed, "no batched draft happened"
+        return results
+
+    results = run(main)
+    for i in range(4):
+        assert results[i] == plain(tiny_llama, PROMPTS[i], params)
