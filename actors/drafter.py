@@ -23,7 +23,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import ActorMessage, Admit, Drafted, RoundAck, VerdictQueued
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
-from runtime.cache import DeviceKVCache, StackedKVCache, restored_on_failure
+from runtime.cache import DeviceKVCache, StackedKVCache, restored_on_failure, stack_layers
 from runtime.models.dflash import DFlashDrafter
 from runtime.speculative import block_size_for
 
@@ -174,8 +174,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
             ctx, keep = previous[0].taps, previous[0].keep
         else:
             ctx_rows = width if not all(fresh) else 0
-            blanks = [[layer.blank() for layer in requests[0].cache] for _ in range(rows - n)]
-            caches = [StackedKVCache(layers, ctx_rows) for layers in zip(*(r.cache for r in requests), *blanks)]
+            caches = stack_layers([r.cache for r in requests], ctx_rows, rows)
             ctx = keep = None
             if ctx_rows:  # newcomers and blank rows take part with zero rows, none kept
                 none = previous[0].taps[0, :0]
@@ -191,5 +190,5 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         if rows > 1:
             for layer in caches:
                 assert isinstance(layer, StackedKVCache)
-                layer.unstack([0 if new else ctx_rows for new in fresh] + [0] * (rows - n))
+                layer.unstack([0 if new else ctx_rows for new in fresh])
         return drafts, ctx_before, ctx_after

@@ -25,7 +25,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from protocol import ActorMessage, Admit, Drafted, GenerationParams, Prefilled, RoundAck, VerdictQueued, Verified
 from runtime.acceptance import stacked_verdicts
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
-from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, StackedKVCache, restored_on_failure
+from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, restored_on_failure, round_up, stack_layers
 from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
@@ -128,7 +128,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         # right-padded to whole buckets: prompts then come in few shapes, and backends that
         # build kernels per shape (cuDNN attention on CUDA) build them a few times, not per
         # prompt; the padding lies past the valid length, never attended, overwritten later
-        padded = message.prompt_ids + [message.prompt_ids[-1]] * (-(-n // PREFILL_BUCKET) * PREFILL_BUCKET - n)
+        padded = message.prompt_ids + [message.prompt_ids[-1]] * (round_up(n, PREFILL_BUCKET) - n)
         out = self.target(mx.array([padded]), request.cache, tap_layers=self.tap_layers, logits_row=n - 1)
         assert out.taps is not None
         first = request.sampler.sample(out.logits[:, -1])[0].astype(mx.int32)
@@ -192,11 +192,10 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             if rows == 1:
                 yield caches[0]
                 return
-            blanks = [[layer.blank() for layer in caches[0]] for _ in range(rows - len(caches))]
-            stacked = [StackedKVCache(layers, new_rows) for layers in zip(*caches, *blanks)]
+            stacked = stack_layers(caches, new_rows, rows)
             yield stacked
             for layer in stacked:
-                layer.unstack([new_rows] * len(caches) + [0] * len(blanks))
+                layer.unstack([new_rows] * len(caches))
 
     def _acknowledged(self, ack: RoundAck) -> None:
         if ack.finished:

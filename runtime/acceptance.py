@@ -36,9 +36,8 @@ def accepted_prefix(matches: mx.array) -> mx.array:
 
 def greedy_verdict(drafts: mx.array, logits: mx.array) -> Verdict:
     """``drafts [n]`` against the target's ``logits [n+1, V]`` for ``[anchor] + drafts``."""
-    target_tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-    accepted = accepted_prefix(drafts == target_tokens[:-1])
-    return Verdict(accepted, target_tokens[accepted], target_tokens)
+    rows = greedy_verdict_rows(drafts[None], logits[None], mx.array([drafts.shape[0]]))
+    return Verdict(rows.accepted[0], rows.bonus[0], rows.target_tokens[0])
 
 
 def sampled_verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sampler: Sampler) -> Verdict:
@@ -86,6 +85,7 @@ def stacked_verdicts(drafts: mx.array, logits: mx.array, n_drafts: list[int], pa
 
 
 def greedy_verdict_rows(drafts: mx.array, logits: mx.array, n_drafts: mx.array) -> Verdict:
+    """``drafts [R, L-1]`` against ``logits [R, L, V]``; row r accepts at most ``n_drafts[r]``."""
     target_tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
     real = mx.arange(drafts.shape[1])[None] < n_drafts[:, None]
     matches = (drafts == target_tokens[:, :-1]) & real

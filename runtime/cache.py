@@ -17,9 +17,13 @@ GROWTH_STEP = 256
 ATTENTION_BUCKET = 64  # multi-token attention reads keys in whole buckets: few distinct shapes
 
 
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
 def bucketed(length: int, capacity: int) -> int:
     """``length`` rounded up to a whole bucket, within the buffer."""
-    return min(capacity, -(-length // ATTENTION_BUCKET) * ATTENTION_BUCKET)
+    return min(capacity, round_up(length, ATTENTION_BUCKET))
 
 
 class KVCache:
@@ -31,7 +35,7 @@ class KVCache:
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         b, h, _, kd = keys.shape
         vd = values.shape[3]
-        capacity = ((needed + GROWTH_STEP - 1) // GROWTH_STEP) * GROWTH_STEP
+        capacity = round_up(needed, GROWTH_STEP)
         new_k = mx.zeros((b, h, capacity, kd), keys.dtype)
         new_v = mx.zeros((b, h, capacity, vd), values.dtype)
         if self.keys is not None and self.values is not None and self.offset:
@@ -110,7 +114,7 @@ class DeviceKVCache:
         if self.keys is not None and needed <= self.keys.shape[2]:
             return
         b, h, _, kd = keys.shape
-        capacity = ((needed + GROWTH_STEP - 1) // GROWTH_STEP) * GROWTH_STEP
+        capacity = round_up(needed, GROWTH_STEP)
         grow_k = mx.zeros((b, h, capacity - (0 if self.keys is None else self.keys.shape[2]), kd), keys.dtype)
         grow_v = mx.zeros((b, h, grow_k.shape[2], values.shape[3]), values.dtype)
         self.keys = grow_k if self.keys is None else mx.concatenate([self.keys, grow_k], axis=2)
@@ -134,8 +138,12 @@ class DeviceKVCache:
             rows = (self.length[:, None] + mx.arange(length))[:, None, :, None]
             self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(rows, keys.shape), keys, axis=2)
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(rows, values.shape), values, axis=2)
-        self._unsettled.append(length)
-        self.bound += length
+        self._count_write(length)
+
+    def _count_write(self, rows: int) -> None:
+        """``rows`` more could become valid: the bound grows until ``settle`` learns how many did."""
+        self._unsettled.append(rows)
+        self.bound += rows
 
     def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Write at ``length``; the causal mask over the whole buffer admits valid keys only."""
@@ -191,23 +199,29 @@ class StackedKVCache(DeviceKVCache):
         self.members = list(members)
         self.bound = max(c.bound for c in members)
         self.length = mx.stack([c.length for c in members])
-        capacity = -(-(self.bound + new_rows) // GROWTH_STEP) * GROWTH_STEP
+        capacity = round_up(self.bound + new_rows, GROWTH_STEP)
         self.keys = mx.concatenate([_fit(c.keys, capacity) for c in members], axis=0)
         self.values = mx.concatenate([_fit(c.values, capacity) for c in members], axis=0)
 
     def unstack(self, written: Sequence[int]) -> None:
-        """Hand each member its row: buffer, device length, and the rows written for it.
+        """Hand the first ``len(written)`` members their rows: buffer, device length, rows written.
 
-        A member written ``0`` rows took part without new rows (they lie past its valid
-        end and its bound): the drafter's newcomers, whose context went in beforehand.
+        Members past them are blank padding rows and get nothing back. A member written
+        ``0`` rows took part without new rows (they lie past its valid end and its bound):
+        the drafter's newcomers, whose context went in beforehand.
         """
         assert self.keys is not None and self.values is not None
         for row, (cache, rows) in enumerate(zip(self.members, written)):
             cache.keys, cache.values = self.keys[row : row + 1], self.values[row : row + 1]
             cache.length = self.length[row]
             if rows:
-                cache._unsettled.append(rows)
-                cache.bound += rows
+                cache._count_write(rows)
+
+
+def stack_layers(requests: Sequence[Sequence[DeviceKVCache]], new_rows: int, rows: int) -> list[StackedKVCache]:
+    """Each layer's caches of these requests stacked, blank rows after them up to ``rows``."""
+    blanks = [[layer.blank() for layer in requests[0]] for _ in range(rows - len(requests))]
+    return [StackedKVCache(layers, new_rows) for layers in zip(*requests, *blanks)]
 
 
 def _fit(buffer: mx.array | None, capacity: int) -> mx.array:
