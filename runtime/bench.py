@@ -1,6 +1,6 @@
 """``python -m runtime.bench``: plain decoding against DFlash on the same prompts, one table.
 
-    python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json]
+    python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH]
 
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round)
@@ -9,7 +9,8 @@ JSON is the pipelined engine. Each prompt runs once per mode after a warm-up
 (first-run kernel compilation is not timed). Reported: decode tokens/s (after the first
 token), time to first token, mean acceptance length tau, acceptance per block position,
 GPU idle time between rounds, the speedup over plain decoding, and whether every output
-equals plain greedy.
+equals plain greedy. ``--log`` appends the engine runs' round logs (both modes) to PATH,
+for ``python -m runtime.replay``.
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ def aggregate(results: list[GenerationResult]) -> dict[str, float]:
 
 
 async def run_engine(target: LoadedModel, drafter: DFlashDrafter, prompts: list[list[int]], params: GenerationParams,
-                     mode: str) -> list[tuple[list[int], TokenEvent]]:
+                     mode: str, log: Path | None = None) -> list[tuple[list[int], TokenEvent]]:
     """Each prompt in turn through the actor engine (one request at a time: latency, not batching)."""
-    async with Engine(target, drafter, mode=mode) as engine:
+    async with Engine(target, drafter, mode=mode, log=log) as engine:
         results = []
         for ids in prompts:
             tokens: list[int] = []
@@ -118,7 +119,7 @@ def engine_summary(results: list[tuple[list[int], TokenEvent]]) -> dict[str, Any
 
 
 def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tuple[str, list[int]]],
-          params: GenerationParams) -> dict[str, Any]:
+          params: GenerationParams, log: Path | None = None) -> dict[str, Any]:
     """Every mode on every prompt; with no drafter, plain decoding alone."""
     ids = [p for _, p in prompts]
     warm = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, 24))
@@ -129,18 +130,18 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
         "max_tokens": params.max_tokens, "prompts": len(prompts), "plain": aggregate(plain_results),
     }
     if drafter is not None:
-        report.update(bench_dflash(target, drafter, ids, params, warm, [r.token_ids for r in plain_results]))
+        report.update(bench_dflash(target, drafter, ids, params, warm, [r.token_ids for r in plain_results], log))
         report["speedup"] = round(report["dflash"]["tokens_per_s"] / (report["plain"]["tokens_per_s"] or 1.0), 3)
     return report
 
 
 def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int]], params: GenerationParams,
-                 warm: GenerationParams, want: list[list[int]]) -> dict[str, Any]:
+                 warm: GenerationParams, want: list[list[int]], log: Path | None = None) -> dict[str, Any]:
     run_dflash(target, drafter, ids[0], warm)
     for mode in MODES:
         anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
     reference = [run_dflash(target, drafter, p, params) for p in ids]
-    engines = {mode: anyio.run(run_engine, target, drafter, ids, params, mode) for mode in MODES}
+    engines = {mode: anyio.run(run_engine, target, drafter, ids, params, mode, log) for mode in MODES}
     outputs = {"reference": [r.token_ids for r, _ in reference], **{m: [t for t, _ in res] for m, res in engines.items()}}
     exact = {mode: got == want for mode, got in outputs.items()}
     # in half precision a block verify and one-token forwards round differently, so near-ties
@@ -186,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--log", type=Path, help="append the engine runs' round logs (JSON lines) to this file")
     return parser.parse_args(argv)
 
 
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     load_s = time.perf_counter() - started
     drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
-    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params)}
+    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log)}
     print_json(report) if args.json else print_table(report)
 
 

@@ -55,23 +55,26 @@ class KVCache:
         self.offset = end
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
-        """Append, and return what causal attention over the valid keys needs.
+    def attention_mask(self, n: int) -> tuple[int, mx.array | None]:
+        """Before ``n`` rows are written: the keys attention will read after it, and the mask.
 
         One query reads the valid keys only. Several queries (a prefill, a verified block)
         read keys in whole buckets under a mask, so their key shape changes once every
         ATTENTION_BUCKET positions: per-shape attention kernels (cuDNN on CUDA) are then
-        built a few times per request rather than once per round.
+        built a few times per request rather than once per round. Every layer's cache has
+        the same length, so a forward computes this once and shares it.
         """
-        start = self.offset
-        k, v = self.update_and_fetch(keys, values)
-        if keys.shape[2] == 1:
-            return k, v, None
+        start, end = self.offset, self.offset + n
+        if n == 1:
+            return end, None
+        extent = round_up(end, ATTENTION_BUCKET)  # within the buffer: it grows in GROWTH_STEPs
+        return extent, mx.arange(extent)[None, :] <= (start + mx.arange(n))[:, None]
+
+    def write_and_read(self, keys: mx.array, values: mx.array, extent: int) -> tuple[mx.array, mx.array]:
+        """Append, then the first ``extent`` key/value rows (from ``attention_mask``)."""
+        self.update_and_fetch(keys, values)
         assert self.keys is not None and self.values is not None
-        extent = bucketed(self.offset, self.keys.shape[2])
-        query_pos = start + mx.arange(keys.shape[2])
-        mask = mx.arange(extent)[None, :] <= query_pos[:, None]
-        return self.keys[..., :extent, :], self.values[..., :extent, :], mask
+        return self.keys[..., :extent, :], self.values[..., :extent, :]
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` positions; returns how many were actually dropped."""
@@ -145,15 +148,18 @@ class DeviceKVCache:
         self._unsettled.append(rows)
         self.bound += rows
 
-    def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Write at ``length``; the causal mask over the whole buffer admits valid keys only."""
+    def attention_mask(self, n: int) -> tuple[int, mx.array]:
+        """Before ``n`` rows are written at ``length``: the keys read after it, and the causal
+        mask over them that admits valid keys only (``[R, 1, n, extent]`` when stacked)."""
+        extent = round_up(self.bound + n, ATTENTION_BUCKET)  # the extent once they are written
+        query_pos = self.length[..., None] + mx.arange(n)  # [n], or [R, n] when stacked
+        mask = mx.arange(extent) <= query_pos[..., None]
+        return extent, mask[:, None] if mask.ndim == 3 else mask
+
+    def write_and_read(self, keys: mx.array, values: mx.array, extent: int) -> tuple[mx.array, mx.array]:
         self.write(keys, values)
-        query_pos = self.length[..., None] + mx.arange(keys.shape[2])  # [L], or [R, L] when stacked
-        mask = mx.arange(self.extent) <= query_pos[..., None]
-        if mask.ndim == 3:
-            mask = mask[:, None]  # [R, 1, L, extent]: each stacked row has its own valid length
         assert self.keys is not None and self.values is not None
-        return self.keys[..., : self.extent, :], self.values[..., : self.extent, :], mask
+        return self.keys[..., :extent, :], self.values[..., :extent, :]
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything a write changes (references: cheap), for ``restore`` after a failed step."""

@@ -45,3 +45,19 @@ def test_bench_table_names_each_mode(tiny_llama_dir: Path, tiny_drafter_dir: Pat
         assert rows[mode][-1] == "3/3", rows[mode]  # outputs equal to plain greedy, per mode
     assert "plain" in rows
     assert "acceptance per block position" in table
+
+
+def test_bench_log_holds_every_engine_request_with_its_rounds(tiny_llama_dir: Path, tiny_drafter_dir: Path, prompts: Path,
+                                                               tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.replay.reading import read_log
+
+    log = tmp_path / "bench.jsonl"
+    bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),
+                "--max-tokens", "8", "--block-size", "4", "--dtype", "float32", "--json", "--log", str(log)])
+    report = json.loads(capsys.readouterr().out)
+    replay = read_log(log)
+    assert not replay.problems
+    assert len(replay.requests) == 2 * 3  # the timed runs: each prompt once per engine mode
+    assert all(r.finish is not None and r.finish.finish_reason == "length" for r in replay.requests.values())
+    rounds = sum(len(r.rounds) for r in replay.requests.values())
+    assert rounds == report["sequential"]["rounds"] + report["dflash"]["rounds"]

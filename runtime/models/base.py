@@ -135,7 +135,9 @@ class Attention(nn.Module):
         b, length, _ = x.shape
         return x.reshape(b, length, n, self.head_dim)
 
-    def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache | None,
+                 attention: tuple[int, mx.array | None] | None = None) -> mx.array:
+        """``attention``: the cache's ``attention_mask`` for this forward (shared by the layers)."""
         b, length, _ = x.shape
         q = self._heads(self.q_proj(x), self.n_heads)
         k = self._heads(self.k_proj(x), self.n_kv_heads)
@@ -147,7 +149,8 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset), self.rope(k, offset)
         mask: mx.array | str | None = "causal" if length > 1 else None
         if cache is not None:
-            k, v, mask = cache.update_with_mask(k, v)
+            extent, mask = attention or cache.attention_mask(length)
+            k, v = cache.write_and_read(k, v, extent)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
@@ -173,8 +176,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache | None,
+                 attention: tuple[int, mx.array | None] | None = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, attention)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -229,8 +233,10 @@ class DecoderModel(nn.Module):
         h = self.embed(tokens)
         wanted = {lid: i for i, lid in enumerate(tap_layers)}
         tapped: list[mx.array | None] = [None] * len(tap_layers)
+        # every layer's cache has the same length: one mask for all (kernels are launched per op)
+        attention = cache[0].attention_mask(tokens.shape[1]) if cache else None
         for lid, layer in enumerate(self.model.layers):
-            h = layer(h, cache[lid] if cache is not None else None)
+            h = layer(h, cache[lid] if cache is not None else None, attention)
             if lid in wanted:
                 tapped[wanted[lid]] = h
         if last_only:

@@ -202,36 +202,39 @@ class DrafterAttention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
-    def __call__(self, x: mx.array, h_ctx: mx.array | None, cache: KVCache | DeviceKVCache,
-                 keep: mx.array | None = None, block_lens: mx.array | None = None) -> mx.array:
-        if isinstance(cache, DeviceKVCache):
-            return self._call_device_cache(x, h_ctx, cache, keep, block_lens)
-        if h_ctx is not None and h_ctx.shape[1]:
+    def add_context(self, h_ctx: mx.array, cache: KVCache | DeviceKVCache, keep: mx.array | None) -> None:
+        """New context rows into the cache; with a device cache only ``keep`` of them become valid."""
+        if isinstance(cache, KVCache):
             cache.update_and_fetch(*self.context_kv(h_ctx, cache.offset))
-        anchor_pos = cache.offset
-        ctx_kv, extent = None, 0
-        if anchor_pos and cache.keys is not None and cache.values is not None:
-            # whole buckets under the mask, as the target's cache does: few key shapes per request
-            extent = bucketed(anchor_pos, cache.keys.shape[2])
-            ctx_kv = (cache.keys[..., :extent, :], cache.values[..., :extent, :])
-        mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window, ctx_extent=extent)
-        return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
-
-    def write_context(self, h_ctx: mx.array, cache: DeviceKVCache, keep: mx.array | None) -> None:
-        """Pipelined rounds: all new context rows are written, only ``keep`` of them become valid."""
+            return
         cache.write(*self.context_kv(h_ctx, cache.length))
         cache.advance(keep if keep is not None else h_ctx.shape[1])
 
-    def _call_device_cache(self, x: mx.array, h_ctx: mx.array | None, cache: DeviceKVCache,
-                           keep: mx.array | None, block_lens: mx.array | None = None) -> mx.array:
-        if h_ctx is not None and h_ctx.shape[1]:
-            self.write_context(h_ctx, cache, keep)
-        anchor_pos, extent = cache.length, cache.extent
+    def mask(self, cache: KVCache | DeviceKVCache, block_len: int, block_lens: mx.array | None) -> mx.array | None:
+        """This layer kind's block mask over the cache's context (the same for every layer's cache)."""
+        anchor_pos, extent = context_span(cache)
+        return block_mask(anchor_pos, block_len, self.causal, self.window, ctx_extent=extent, block_lens=block_lens)
+
+    def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
+        anchor_pos, extent = context_span(cache)
         ctx_kv = None
         if extent and cache.keys is not None and cache.values is not None:
             ctx_kv = (cache.keys[..., :extent, :], cache.values[..., :extent, :])
-        mask = block_mask(anchor_pos, x.shape[1], self.causal, self.window, ctx_extent=extent, block_lens=block_lens)
         return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
+
+
+def context_span(cache: KVCache | DeviceKVCache) -> tuple[int | mx.array, int]:
+    """The block's anchor position and how many context rows attention reads.
+
+    Context keys are read in whole buckets under the mask, as the target's cache does:
+    few key shapes per request. A device cache's anchor position is a device scalar.
+    """
+    if isinstance(cache, DeviceKVCache):
+        return cache.length, cache.extent
+    anchor_pos = cache.offset
+    if not anchor_pos or cache.keys is None:
+        return anchor_pos, 0
+    return anchor_pos, bucketed(anchor_pos, cache.keys.shape[2])
 
 
 class DrafterLayer(nn.Module):
@@ -246,9 +249,8 @@ class DrafterLayer(nn.Module):
         h = h + attend(self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def __call__(self, h: mx.array, h_ctx: mx.array | None, cache: KVCache | DeviceKVCache,
-                 keep: mx.array | None = None, block_lens: mx.array | None = None) -> mx.array:
-        return self._residual(h, lambda x: self.self_attn(x, h_ctx, cache, keep, block_lens))
+    def __call__(self, h: mx.array, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
+        return self._residual(h, lambda x: self.self_attn(x, cache, mask))
 
     def forward_blocks(self, h: mx.array, h_ctx: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
         """Training: many blocks over one whole context (positions from 0), kept apart by ``mask``."""
@@ -299,19 +301,27 @@ class DFlashDrafter(nn.Module):
         the host. Stacked requests with shorter blocks pass their ``block_lens``.
         """
         h = self._embed_block(block)
-        h_ctx = self.context_features(ctx_features) if ctx_features is not None else None
+        if ctx_features is not None and ctx_features.shape[1]:
+            self.write_context(ctx_features, cache, keep)
+        # one mask per layer kind, not per layer: they depend on the context length alone
+        masks: dict[tuple[bool, int | None], mx.array | None] = {}
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, h_ctx, layer_cache, keep, block_lens)
+            attn = layer.self_attn
+            kind = (attn.causal, attn.window)
+            if kind not in masks:
+                masks[kind] = attn.mask(layer_cache, block.shape[1], block_lens)
+            h = layer(h, layer_cache, masks[kind])
         return self.norm(h)
 
     def context_features(self, ctx_features: mx.array) -> mx.array:
         return self.hidden_norm(self.fc(ctx_features))
 
-    def write_context(self, ctx_features: mx.array, cache: Sequence[DeviceKVCache], keep: mx.array | None) -> None:
+    def write_context(self, ctx_features: mx.array, cache: Sequence[KVCache] | Sequence[DeviceKVCache],
+                      keep: mx.array | None) -> None:
         """Only the context part of ``hidden``: the new rows enter every layer's cache."""
         h_ctx = self.context_features(ctx_features)
         for layer, layer_cache in zip(self.layers, cache):
-            layer.self_attn.write_context(h_ctx, layer_cache, keep)
+            layer.self_attn.add_context(h_ctx, layer_cache, keep)
 
     def training_hidden(self, blocks: mx.array, anchors: mx.array, ctx_features: mx.array, mask: mx.array) -> mx.array:
         """Post-norm hidden ``[b, n*B, H]`` of n blocks per sequence, all in one forward.

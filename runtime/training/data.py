@@ -86,16 +86,15 @@ class LeftPaddedKVCache(KVCache):
         super().__init__()
         self.pad = pad
 
-    def update_with_mask(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        start = self.offset
-        k, v = self.update_and_fetch(keys, values)
-        key_pos = mx.arange(self.offset)[None, :]
-        query_pos = (start + mx.arange(keys.shape[2]))[:, None]
+    def attention_mask(self, n: int) -> tuple[int, mx.array]:
+        start, end = self.offset, self.offset + n
+        key_pos = mx.arange(end)[None, :]
+        query_pos = (start + mx.arange(n))[:, None]
         real = (key_pos >= self.pad[:, None])[:, None, :]  # [B, 1, T]
         # a padding query sees itself only: a row with no visible key would turn to NaN
         # and spread through the values every later query reads
         mask = ((key_pos <= query_pos)[None] & real) | (key_pos == query_pos)[None]
-        return k, v, mask[:, None]
+        return end, mask[:, None]
 
 
 def _cut_at_stop(row: Sequence[int], stop_ids: frozenset[int]) -> list[int]:

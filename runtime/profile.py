@@ -1,0 +1,186 @@
+"""``python -m runtime.profile``: where a DFlash round's time goes on this device.
+
+    python -m runtime.profile [--draft random:5] [--block-size 16] [--context 256] [--reps 20]
+
+For the verify forward (``[anchor] + drafts`` through the target, device-side KV length,
+as the verifier runs it), the draft forward (the drafter over its device cache, as the
+drafter actor runs it), a whole round (draft then verify of its drafts) and a one-token
+target forward (plain decoding), it reports:
+
+- ``ops``: primitives in the step's graph (each one is a kernel launch or a view);
+- ``first_ms``: the first call, synced (includes kernel builds for new shapes);
+- ``synced_ms``: build, queue and wait, per call (what a sequential loop pays);
+- ``host_ms``: build and queue alone, per call (what the host pays while the device runs);
+- ``queued_ms``: per call with ``reps`` calls queued before one wait (device throughput:
+  when it is close to ``host_ms`` the step is bound by the host, not the device).
+
+Every repetition starts from the same cache state, so all run at the same shapes. Then
+the actor engine runs one request in each mode under cProfile, and the functions with
+the most own time are listed: the host's share of a round, by function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from typing import Any, Callable, Sequence
+
+import anyio
+import mlx.core as mx
+
+from protocol import GenerationParams
+
+from .bench import run_engine
+from .cache import DeviceKVCache
+from .cli import add_model_arguments, print_json, run_cli
+from .defaults import default_model_path
+from .drafters import resolve_drafter
+from .engine import MODES
+from .loading import LoadedModel, load_target
+from .models.dflash import DFlashDrafter
+
+Step = Callable[[], Sequence[mx.array]]
+
+
+def count_ops(outputs: Sequence[mx.array]) -> int:
+    """Primitives in the lazy graph of ``outputs`` (read from MLX's dot export)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return dot.getvalue().count("shape=rectangle")
+
+
+def time_step(step: Step, caches: Sequence[DeviceKVCache], reps: int) -> dict[str, float]:
+    """The step's costs; its caches are restored after every call, so shapes never change."""
+    saved = [c.snapshot() for c in caches]
+
+    def call() -> Sequence[mx.array]:
+        outputs = step()
+        for cache, state in zip(caches, saved):
+            cache.restore(state)
+        return outputs
+
+    ops = count_ops(call())
+    start = time.perf_counter()
+    mx.eval(*call())
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(*call())
+    synced = (time.perf_counter() - start) / reps
+    host, pending = 0.0, []
+    start = time.perf_counter()
+    for _ in range(reps):
+        t = time.perf_counter()
+        outputs = call()
+        mx.async_eval(*outputs)
+        host += time.perf_counter() - t
+        pending.append(outputs)
+    mx.eval(*[o for outputs in pending for o in outputs])
+    queued = (time.perf_counter() - start) / reps
+    ms = lambda s: round(1e3 * s, 3)  # noqa: E731
+    return {"ops": ops, "first_ms": ms(first), "synced_ms": ms(synced), "host_ms": ms(host / reps), "queued_ms": ms(queued)}
+
+
+def prompt_ids(target: LoadedModel, length: int) -> list[int]:
+    text = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
+    ids = target.tokenizer.encode(text * (length // 8 + 1), add_special_tokens=False)
+    return ids[:length]
+
+
+def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block: int, reps: int) -> dict[str, Any]:
+    """Each step of a round at ``context`` tokens, built as the actors build it."""
+    model = target.model
+    ids = prompt_ids(target, context)
+    target_cache, drafter_cache = model.make_device_cache(), drafter.make_device_cache()
+    out = model(mx.array([ids]), target_cache, tap_layers=drafter.tap_layers, logits_row=len(ids) - 1)
+    n = mx.array(len(ids), dtype=mx.int32)
+    for layer in target_cache:
+        layer.advance(n)
+    drafter.write_context(out.taps, drafter_cache, n)
+    mx.eval(out.logits, out.taps, *[c.keys for c in target_cache + drafter_cache])
+    for layer in target_cache + drafter_cache:
+        layer.settle(len(ids))
+    anchor = mx.argmax(out.logits[0, -1]).astype(mx.int32).reshape(1)
+    taps = out.taps[:, -block:]  # a round's worth of new context rows, all kept
+    keep = mx.array(block, dtype=mx.int32)
+    mask_ids = mx.full((block - 1,), drafter.args.mask_token_id, dtype=mx.int32)
+
+    def draft() -> Sequence[mx.array]:
+        hidden = drafter.hidden(mx.concatenate([anchor, mask_ids])[None], taps, drafter_cache, keep=keep)
+        return [mx.argmax(drafter.logits(hidden[:, 1:]), axis=-1).astype(mx.int32)]
+
+    def verify(drafts: mx.array) -> Sequence[mx.array]:
+        result = model(mx.concatenate([anchor, drafts.reshape(-1)])[None], target_cache, tap_layers=drafter.tap_layers)
+        for layer in target_cache:
+            layer.advance(1)
+        assert result.taps is not None
+        return [mx.argmax(result.logits, axis=-1), result.taps, target_cache[0].length]
+
+    drafts = draft()[0]
+    mx.eval(drafts)
+    plain_cache = model.make_cache()
+    mx.eval(model(mx.array([ids]), plain_cache).logits)
+
+    def plain() -> Sequence[mx.array]:
+        logits = model(anchor[None], plain_cache).logits
+        for layer in plain_cache:
+            layer.trim(1)
+        return [mx.argmax(logits[0, -1])]
+
+    both = target_cache + drafter_cache
+    return {
+        "verify": time_step(lambda: verify(drafts), target_cache, reps),
+        "draft": time_step(draft, drafter_cache, reps),
+        "round": time_step(lambda: verify(draft()[0]), both, reps),
+        "plain_token": time_step(plain, [], reps),
+    }
+
+
+def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int, block: int, top: int) -> dict[str, Any]:
+    """One request per mode under cProfile (after a warm-up run): tokens/s and the top functions."""
+    ids = prompt_ids(target, 64)
+    params = GenerationParams(max_tokens=max_tokens, block_size=block)
+    report = {}
+    for mode in MODES:
+        anyio.run(run_engine, target, drafter, [ids], params, mode)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        ((tokens, event),) = anyio.run(run_engine, target, drafter, [ids], params, mode)
+        profiler.disable()
+        rows = pstats.Stats(profiler).sort_stats("tottime")
+        stats: Any = rows.stats  # type: ignore[attr-defined]
+        listed = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+        rounds = int(event.stats["rounds"])  # type: ignore[arg-type]
+        report[mode] = {
+            "tokens_per_s": round(event.timings["tokens_per_s"], 2), "rounds": rounds,
+            "top_ms_per_round": [(f"{fn[0].split('/')[-1]}:{fn[1]}:{fn[2]}", round(1e3 * v[2] / rounds, 3), v[1])
+                                 for fn, v in listed],
+        }
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m runtime.profile", description=__doc__.split("\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--draft", default="random:5", help="drafter folder or random:L (default random:5)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--context", type=int, default=256, help="tokens already in the caches")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=128, help="per request in the engine profile")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine profile")
+    args = parser.parse_args(argv)
+    target = load_target(args.model or default_model_path(), dtype=args.dtype)
+    drafter = resolve_drafter(args.draft, target, block_size=args.block_size)
+    report: dict[str, Any] = {"device": str(mx.default_device()), "dtype": target.compute_dtype,
+                              "parts": round_parts(target, drafter, args.context, args.block_size, args.reps)}
+    if not args.no_engine:
+        report["engine"] = engine_profile(target, drafter, args.max_tokens, args.block_size, args.top)
+    print_json(report)
+
+
+if __name__ == "__main__":
+    run_cli(main)
