@@ -126,7 +126,7 @@ class DeviceKVCache:
     @property
     def extent(self) -> int:
         """Buffer rows attention reads (valid or not): the bound in whole buckets."""
-        return 0 if self.keys is None else bucketed(self.bound, self.keys.shape[2])
+        return self.extent_after(0)
 
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Write ``keys/values [B, H, L, D]`` at the device length (one per row when stacked)."""
@@ -148,10 +148,23 @@ class DeviceKVCache:
         self._unsettled.append(rows)
         self.bound += rows
 
+    def extent_after(self, rows: int) -> int:
+        """``extent`` once ``rows`` more are written (the buffer then holds whole GROWTH_STEPs)."""
+        return round_up(self.bound + rows, ATTENTION_BUCKET) if self.keys is not None or rows else 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def reserve(self, rows: int) -> None:
+        """Grow the buffer now for ``rows`` more, so a compiled step never has to."""
+        assert self.keys is not None and self.values is not None, "reserve after the first write"
+        self._ensure_capacity(self.keys, self.values, self.bound + rows)
+
     def attention_mask(self, n: int) -> tuple[int, mx.array]:
         """Before ``n`` rows are written at ``length``: the keys read after it, and the causal
         mask over them that admits valid keys only (``[R, 1, n, extent]`` when stacked)."""
-        extent = round_up(self.bound + n, ATTENTION_BUCKET)  # the extent once they are written
+        extent = self.extent_after(n)
         query_pos = self.length[..., None] + mx.arange(n)  # [n], or [R, n] when stacked
         mask = mx.arange(extent) <= query_pos[..., None]
         return extent, mask[:, None] if mask.ndim == 3 else mask
@@ -189,6 +202,43 @@ class DeviceKVCache:
         assert self.keys is not None and self.values is not None
         other.keys, other.values = mx.zeros_like(self.keys), mx.zeros_like(self.values)
         return other
+
+
+class TracedKVCache(DeviceKVCache):
+    """A device cache inside a compiled step: buffers and length are the step's inputs.
+
+    A trace must not depend on the host-side ``bound``, which changes every round: the
+    caller fixes the extent instead (``extent_after`` of the real cache), so one trace
+    serves every round whose keys span the same buckets.
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, length: mx.array, extent: int) -> None:
+        super().__init__()
+        self.keys, self.values, self.length = keys, values, length
+        self._extent = extent
+
+    def extent_after(self, rows: int) -> int:
+        return self._extent
+
+
+def traced_caches(arrays: Sequence[mx.array], extent: int) -> list[TracedKVCache]:
+    """Stand-ins for a compiled step's caches, from its inputs (``cache_arrays``'s layout)."""
+    n = len(arrays) // 3
+    return [TracedKVCache(arrays[i], arrays[n + i], arrays[2 * n + i], extent) for i in range(n)]
+
+
+def cache_arrays(caches: Sequence[DeviceKVCache]) -> list[mx.array]:
+    """Every layer's keys, then values, then lengths: a compiled step's cache inputs and outputs."""
+    return [c.keys for c in caches] + [c.values for c in caches] + [c.length for c in caches]  # type: ignore[misc]
+
+
+def adopt_arrays(caches: Sequence[DeviceKVCache], arrays: Sequence[mx.array], rows_written: int) -> None:
+    """Give the caches a compiled step's outputs, and count the rows it wrote."""
+    n = len(caches)
+    for i, cache in enumerate(caches):
+        cache.keys, cache.values, cache.length = arrays[i], arrays[n + i], arrays[2 * n + i]
+        if rows_written:
+            cache._count_write(rows_written)
 
 
 class StackedKVCache(DeviceKVCache):

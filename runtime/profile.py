@@ -16,7 +16,8 @@ target forward (plain decoding), it reports:
 
 Every repetition starts from the same cache state, so all run at the same shapes. Then
 the actor engine runs one request in each mode under cProfile, and the functions with
-the most own time are listed: the host's share of a round, by function.
+the most own time are listed: the host's share of a round, by function. ``--compile both``
+(the default) measures everything with eager and with compiled steps (runtime.models.steps).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .drafters import resolve_drafter
 from .engine import MODES
 from .loading import LoadedModel, load_target
 from .models.dflash import DFlashDrafter
+from .models.steps import default_compile_steps
 
 Step = Callable[[], Sequence[mx.array]]
 
@@ -175,13 +177,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="per request in the engine profile")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--no-engine", action="store_true", help="skip the engine profile")
+    parser.add_argument("--compile", choices=["auto", "on", "off", "both"], default="both",
+                        help="compiled verify/draft steps (auto: on a GPU only); both: each in turn")
     args = parser.parse_args(argv)
     target = load_target(args.model or default_model_path(), dtype=args.dtype)
     drafter = resolve_drafter(args.draft, target, block_size=args.block_size)
-    report: dict[str, Any] = {"device": str(mx.default_device()), "dtype": target.compute_dtype,
-                              "parts": round_parts(target, drafter, args.context, args.block_size, args.reps)}
-    if not args.no_engine:
-        report["engine"] = engine_profile(target, drafter, args.max_tokens, args.block_size, args.top)
+    report: dict[str, Any] = {"device": str(mx.default_device()), "dtype": target.compute_dtype}
+    settings = {"auto": [default_compile_steps()], "on": [True], "off": [False], "both": [False, True]}[args.compile]
+    for compiled in settings:
+        target.model.compile_steps = drafter.compile_steps = compiled
+        run: dict[str, Any] = {"parts": round_parts(target, drafter, args.context, args.block_size, args.reps)}
+        if not args.no_engine:
+            run["engine"] = engine_profile(target, drafter, args.max_tokens, args.block_size, args.top)
+        report["compiled" if compiled else "eager"] = run
     print_json(report)
 
 

@@ -369,3 +369,28 @@ def test_a_failed_batched_step_is_retried_per_request_from_the_same_state(
     results = run(main)
     for i in range(4):
         assert results[i] == plain(tiny_llama, PROMPTS[i], params)
+
+
+@pytest.fixture()
+def compiled_steps(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> Any:
+    """Verify and draft forwards as compiled steps (the GPU default) for one test."""
+    tiny_llama.model.compile_steps = tiny_drafter.compile_steps = True
+    yield
+    tiny_llama.model.compile_steps = tiny_drafter.compile_steps = False
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+def test_compiled_steps_give_every_request_its_plain_greedy_output(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, compiled_steps: Any, mode: str) -> None:
+    # alone (single-request steps) and concurrently (stacked caches, padded rows, shorter blocks)
+    params = [GenerationParams(max_tokens=9 + 3 * (i % 5), block_size=2 + i % 7) for i in range(12)]
+    want = [plain(tiny_llama, PROMPTS[i], params[i]) for i in range(12)]
+
+    async def alone() -> list[list[int]]:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
+            return [(await collect(engine, PROMPTS[i], params[i]))[0] for i in range(4)]
+
+    assert run(alone) == want[:4]
+    together = run(_run_concurrently(Engine(tiny_llama, tiny_drafter, mode=mode, pad_batches=True), PROMPTS[:12], params))
+    assert [together[i] for i in range(12)] == want
+    assert tiny_llama.model._steps._steps and tiny_drafter._steps._steps  # the compiled steps did run

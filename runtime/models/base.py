@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import DeviceKVCache, KVCache
+from ..cache import DeviceKVCache, KVCache, adopt_arrays, cache_arrays, traced_caches
+from .steps import CompiledSteps, default_compile_steps, traceable
 
 
 @dataclass
@@ -201,6 +203,8 @@ class DecoderModel(nn.Module):
         self.model = DecoderStack(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.compile_steps = default_compile_steps()  # verify forwards over device caches
+        self._steps = CompiledSteps()
 
     @property
     def num_layers(self) -> int:
@@ -228,8 +232,31 @@ class DecoderModel(nn.Module):
         Taps come out as ``[B, L, n_taps*H]`` in ``tap_layers`` order: the
         ``[token, layer*dim]`` layout the DFlash drafter's ``fc`` consumes. ``last_only``
         computes the last row's logits alone; ``logits_row`` another row's (the last real
-        token of a right-padded prompt).
+        token of a right-padded prompt). With ``compile_steps``, a forward over device
+        caches that returns every row (a verify) runs as a compiled step.
         """
+        if self.compile_steps and traceable(cache) and not last_only and logits_row is None:
+            return self._compiled_forward(tokens, cache, tuple(tap_layers))  # type: ignore[arg-type]
+        return self._forward(tokens, cache, tap_layers, last_only, logits_row)
+
+    def _compiled_forward(self, tokens: mx.array, cache: Sequence[DeviceKVCache], tap_layers: tuple[int, ...]) -> ForwardOutput:
+        n = tokens.shape[1]
+        for layer in cache:
+            layer.reserve(n)
+        extent = cache[0].capacity  # the whole buffer under the mask: one trace per buffer size, not per bucket
+        step = self._steps.get((extent, tap_layers), lambda: partial(self._traced_forward, extent=extent, tap_layers=tap_layers))
+        outputs = step(tokens, cache_arrays(cache))
+        adopt_arrays(cache, outputs[2:], n)
+        return ForwardOutput(outputs[0], outputs[1] if tap_layers else None)
+
+    def _traced_forward(self, tokens: mx.array, arrays: list[mx.array], *, extent: int,
+                        tap_layers: tuple[int, ...]) -> list[mx.array]:
+        traced = traced_caches(arrays, extent)
+        out = self._forward(tokens, traced, tap_layers)
+        return [out.logits, out.taps if out.taps is not None else mx.zeros((0,)), *cache_arrays(traced)]
+
+    def _forward(self, tokens: mx.array, cache: Sequence[KVCache] | Sequence[DeviceKVCache] | None,
+                 tap_layers: Sequence[int] = (), last_only: bool = False, logits_row: int | None = None) -> ForwardOutput:
         h = self.embed(tokens)
         wanted = {lid: i for i, lid in enumerate(tap_layers)}
         tapped: list[mx.array | None] = [None] * len(tap_layers)

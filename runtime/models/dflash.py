@@ -16,14 +16,16 @@ layer when ``is_causal``) are causal, with a window only when ``use_sliding_wind
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import DeviceKVCache, KVCache, bucketed
+from ..cache import DeviceKVCache, KVCache, adopt_arrays, bucketed, cache_arrays, traced_caches
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from .base import MLP, DecoderModel, RoPE
+from .steps import CompiledSteps, default_compile_steps, traceable
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -271,6 +273,8 @@ class DFlashDrafter(nn.Module):
         # not parameters of the drafter (never saved with it, never trained)
         self._embed: Callable[[mx.array], mx.array] | None = None
         self._head: Callable[[mx.array], mx.array] | None = None
+        self.compile_steps = default_compile_steps()  # drafts over device caches
+        self._steps = CompiledSteps()
 
     @property
     def block_size(self) -> int:
@@ -298,8 +302,36 @@ class DFlashDrafter(nn.Module):
 
         With device caches, ``keep`` (a device scalar, ``[R]`` when stacked) says how many
         leading context rows are real: the verifier's accepted count, not yet known to
-        the host. Stacked requests with shorter blocks pass their ``block_lens``.
+        the host. Stacked requests with shorter blocks pass their ``block_lens``. With
+        ``compile_steps``, a draft over device caches that already hold buffers runs as a
+        compiled step.
         """
+        if self.compile_steps and traceable(cache):
+            return self._compiled_hidden(block, ctx_features, cache, keep, block_lens)  # type: ignore[arg-type]
+        return self._hidden(block, ctx_features, cache, keep, block_lens)
+
+    def _compiled_hidden(self, block: mx.array, ctx_features: mx.array | None, cache: Sequence[DeviceKVCache],
+                         keep: mx.array | None, block_lens: mx.array | None) -> mx.array:
+        rows = ctx_features.shape[1] if ctx_features is not None else 0
+        for layer in cache:
+            layer.reserve(rows)
+        extent = cache[0].capacity  # the whole buffer under the mask: one trace per buffer size, not per bucket
+        optional = (ctx_features if rows else None, keep, block_lens)
+        present = tuple(x is not None for x in optional)
+        step = self._steps.get((extent, present), lambda: partial(self._traced_hidden, extent=extent, present=present))
+        outputs = step([block, *(x for x in optional if x is not None)], cache_arrays(cache))
+        adopt_arrays(cache, outputs[1:], rows)
+        return outputs[0]
+
+    def _traced_hidden(self, inputs: list[mx.array], arrays: list[mx.array], *, extent: int,
+                       present: tuple[bool, ...]) -> list[mx.array]:
+        given = iter(inputs[1:])
+        ctx_features, keep, block_lens = (next(given) if p else None for p in present)
+        traced = traced_caches(arrays, extent)
+        return [self._hidden(inputs[0], ctx_features, traced, keep, block_lens), *cache_arrays(traced)]
+
+    def _hidden(self, block: mx.array, ctx_features: mx.array | None, cache: Sequence[KVCache] | Sequence[DeviceKVCache],
+                keep: mx.array | None = None, block_lens: mx.array | None = None) -> mx.array:
         h = self._embed_block(block)
         if ctx_features is not None and ctx_features.shape[1]:
             self.write_context(ctx_features, cache, keep)

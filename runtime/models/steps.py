@@ -1,0 +1,45 @@
+"""Compiled steps: a model's forward over device caches, traced once per configuration.
+
+On the GPU a round is bound by the host: each op costs microseconds to build and queue
+(PLATFORM.md; ``python -m runtime.profile`` measures it), so a 30-layer verify spends
+more time on the host than on the device. ``mx.compile`` traces a step once and replays
+it, fusing what it can. A trace must see only the step's arrays: the caches enter as
+inputs and leave as outputs (runtime.cache.TracedKVCache). Attention then reads the
+whole buffer under the mask rather than whole buckets of it, so a trace serves every
+round until the buffer grows (every GROWTH_STEP positions); what else the host decides
+per round that would change the trace (which inputs exist) is part of the configuration
+a trace is kept under.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Sequence
+
+import mlx.core as mx
+
+from ..cache import DeviceKVCache
+
+Step = Callable[..., list[mx.array]]
+
+
+def default_compile_steps() -> bool:
+    """On by default on a GPU; on the CPU a trace builds C++ kernels and saves little."""
+    return mx.default_device() == mx.gpu
+
+
+def traceable(caches: Sequence[object] | None) -> bool:
+    """Device caches that already hold buffers (a first write sizes them outside any trace)."""
+    return bool(caches) and all(isinstance(c, DeviceKVCache) and c.keys is not None for c in caches)  # type: ignore[union-attr]
+
+
+class CompiledSteps:
+    """``mx.compile``'d steps, one per configuration (input shapes are mx.compile's own key)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[Hashable, Step] = {}
+
+    def get(self, configuration: Hashable, make: Callable[[], Step]) -> Step:
+        step = self._steps.get(configuration)
+        if step is None:
+            step = self._steps[configuration] = mx.compile(make())
+        return step
