@@ -2,7 +2,7 @@
 # Train the bundled SmolLM2-135M drafter on the GPU machine (stage MLX first: gpu-measure.sh).
 #   python -m runtime.evalsets ...; export prompts to runs/prompts/train.jsonl (see the issue note),
 #   then in the device call: export PYTHONPATH=/tmp/site && bash deploy/gpu-train.sh [OUT_DIR]
-#   DATA, SAMPLES, GEN_BATCH, EPOCHS choose the data and length; INIT=DRAFTER_DIR continues that drafter;
+#   DATA, SAMPLES, GEN_BATCH, EPOCHS, LR choose the data, length and rate; INIT=DRAFTER_DIR continues that drafter;
 #   KEEP_REGEN=1 also returns runs/regen (carry it back to skip regeneration).
 # Stops itself after $LIMIT seconds; run it again to --resume. The drafter goes to $OUT/drafter.
 set -euo pipefail
@@ -14,7 +14,7 @@ RESUME=""
 rc=0
 timeout "$LIMIT" python3 -m runtime.train --out "$DIR" --data "${DATA:-runs/prompts/train.jsonl}" \
   --samples "${SAMPLES:-8000}" --max-new-tokens 256 --max-seq-len 768 --gen-batch-size "${GEN_BATCH:-128}" \
-  --epochs "${EPOCHS:-6}" --batch-size 32 \
+  --epochs "${EPOCHS:-6}" --lr "${LR:-6e-4}" --batch-size 32 \
   --micro-batch 16 --layers 3 --block-size 16 --save-every 50 --no-compile --cache-dir runs/regen ${INIT:+--init "$INIT"} \
   $RESUME || rc=$?
 echo "training exit status $rc"
