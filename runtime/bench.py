@@ -6,7 +6,9 @@ Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which 
 times a round's parts), and the actor engine in ``sequential`` (host sync every round)
 and ``pipelined`` (round N+1 queued before round N is read) modes; ``dflash`` in the
 JSON is the pipelined engine. Each prompt runs once per mode after a warm-up
-(first-run kernel compilation is not timed). Reported: decode tokens/s (after the first
+(first-run kernel compilation is not timed; the engines' warm-up decodes the shortest and
+the longest prompt to the full length, so the compiled steps of every buffer size the
+timed runs reach are traced before any mode is timed, not during the first mode's run). Reported: decode tokens/s (after the first
 token), time to first token, mean acceptance length tau, acceptance per block position,
 GPU idle time between rounds, the speedup over plain decoding, and whether every output
 equals plain greedy. ``--log`` appends the engine runs' round logs (both modes) to PATH,
@@ -140,6 +142,7 @@ def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int
     run_dflash(target, drafter, ids[0], warm)
     for mode in MODES:
         anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
+    anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, "sequential")
     reference = [run_dflash(target, drafter, p, params) for p in ids]
     engines = {mode: anyio.run(run_engine, target, drafter, ids, params, mode, log) for mode in MODES}
     outputs = {"reference": [r.token_ids for r, _ in reference], **{m: [t for t, _ in res] for m, res in engines.items()}}
