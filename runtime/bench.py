@@ -1,6 +1,6 @@
 """``python -m runtime.bench``: plain decoding against DFlash on the same prompts, one table.
 
-    python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH]
+    python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH] [--no-engine]
 
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round)
@@ -121,8 +121,9 @@ def engine_summary(results: list[tuple[list[int], TokenEvent]]) -> dict[str, Any
 
 
 def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tuple[str, list[int]]],
-          params: GenerationParams, log: Path | None = None) -> dict[str, Any]:
-    """Every mode on every prompt; with no drafter, plain decoding alone."""
+          params: GenerationParams, log: Path | None = None, engine: bool = True) -> dict[str, Any]:
+    """Every mode on every prompt; with no drafter, plain decoding alone; without ``engine``,
+    plain decoding and the reference loop (tau and exactness, quickly on a CPU)."""
     ids = [p for _, p in prompts]
     warm = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, 24))
     run_plain(target, ids[0], warm)
@@ -132,19 +133,22 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
         "max_tokens": params.max_tokens, "prompts": len(prompts), "plain": aggregate(plain_results),
     }
     if drafter is not None:
-        report.update(bench_dflash(target, drafter, ids, params, warm, [r.token_ids for r in plain_results], log))
-        report["speedup"] = round(report["dflash"]["tokens_per_s"] / (report["plain"]["tokens_per_s"] or 1.0), 3)
+        report.update(bench_dflash(target, drafter, ids, params, warm, [r.token_ids for r in plain_results], log, engine))
+        fastest = report["dflash" if engine else "reference"]["tokens_per_s"]
+        report["speedup"] = round(fastest / (report["plain"]["tokens_per_s"] or 1.0), 3)
     return report
 
 
 def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int]], params: GenerationParams,
-                 warm: GenerationParams, want: list[list[int]], log: Path | None = None) -> dict[str, Any]:
+                 warm: GenerationParams, want: list[list[int]], log: Path | None = None,
+                 engine: bool = True) -> dict[str, Any]:
     run_dflash(target, drafter, ids[0], warm)
-    for mode in MODES:
-        anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
-    anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, "sequential")
+    if engine:
+        for mode in MODES:
+            anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
+        anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, "sequential")
     reference = [run_dflash(target, drafter, p, params) for p in ids]
-    engines = {mode: anyio.run(run_engine, target, drafter, ids, params, mode, log) for mode in MODES}
+    engines = {mode: anyio.run(run_engine, target, drafter, ids, params, mode, log) for mode in MODES} if engine else {}
     outputs = {"reference": [r.token_ids for r, _ in reference], **{m: [t for t, _ in res] for m, res in engines.items()}}
     exact = {mode: got == want for mode, got in outputs.items()}
     # in half precision a block verify and one-token forwards round differently, so near-ties
@@ -153,13 +157,14 @@ def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int
     block = block_size_for(drafter, params)
     merged = SpeculativeStats([r for _, s in reference for r in s.rounds])
     ref = {**aggregate([r for r, _ in reference]), **merged.summary(block), "round_parts_ms": round_costs_ms([s for _, s in reference])}
-    modes = {mode: engine_summary(res) for mode, res in engines.items()}
-    dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
-    return {
-        "block_size": block, "reference": ref, "sequential": modes["sequential"], "dflash": dflash,
-        "pipelined_over_sequential": round(dflash["tokens_per_s"] / (modes["sequential"]["tokens_per_s"] or 1.0), 3),
-        "exact": all(exact.values()), "exact_per_mode": exact, "equal_outputs_per_mode": equal,
-    }
+    report = {"block_size": block, "reference": ref, "exact": all(exact.values()), "exact_per_mode": exact,
+              "equal_outputs_per_mode": equal}
+    if engines:
+        modes = {mode: engine_summary(res) for mode, res in engines.items()}
+        dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
+        report.update(sequential=modes["sequential"], dflash=dflash, pipelined_over_sequential=round(
+            dflash["tokens_per_s"] / (modes["sequential"]["tokens_per_s"] or 1.0), 3))
+    return report
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -177,8 +182,8 @@ def print_table(report: dict[str, Any]) -> None:
         exact = f"{equal}/{report['prompts']}" if equal is not None else ""
         print(f"{name:<11} {row['tokens_per_s']:>9.2f} {row['tokens_per_s'] / plain_speed:>8.2f} {row['ttft_ms']:>9.1f} "
               f"{row.get('tau', 1.0):>6.2f} {row.get('round_ms', 0.0):>9.2f} {row.get('gpu_idle_ms_per_round', 0.0):>10.3f} {exact:>7}")
-    if "dflash" in report:
-        print("acceptance per block position:", " ".join(f"{x:.2f}" for x in report["dflash"]["acceptance_per_position"]))
+    if "reference" in report:
+        print("acceptance per block position:", " ".join(f"{x:.2f}" for x in report["reference"]["acceptance_per_position"]))
         print("reference round parts (ms):", ", ".join(f"{k[:-2]} {v}" for k, v in report["reference"]["round_parts_ms"].items()))
 
 
@@ -191,6 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--log", type=Path, help="append the engine runs' round logs (JSON lines) to this file")
+    parser.add_argument("--no-engine", action="store_true",
+                        help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")
     return parser.parse_args(argv)
 
 
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     load_s = time.perf_counter() - started
     drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
-    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log)}
+    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log, not args.no_engine)}
     print_json(report) if args.json else print_table(report)
 
 

@@ -61,3 +61,13 @@ def test_bench_log_holds_every_engine_request_with_its_rounds(tiny_llama_dir: Pa
     assert all(r.finish is not None and r.finish.finish_reason == "length" for r in replay.requests.values())
     rounds = sum(len(r.rounds) for r in replay.requests.values())
     assert rounds == report["sequential"]["rounds"] + report["dflash"]["rounds"]
+
+
+def test_bench_without_the_engine_reports_tau_and_exactness_of_the_reference_loop(
+        tiny_llama_dir: Path, tiny_drafter_dir: Path, prompts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),
+                "--max-tokens", "10", "--block-size", "4", "--dtype", "float32", "--json", "--no-engine"])
+    report = json.loads(capsys.readouterr().out)
+    assert "sequential" not in report and "dflash" not in report
+    assert report["reference"]["tau"] >= 1.0 and report["equal_outputs_per_mode"] == {"reference": 3}
+    assert report["speedup"] == pytest.approx(report["reference"]["tokens_per_s"] / report["plain"]["tokens_per_s"], rel=1e-2)

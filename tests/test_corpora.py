@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from runtime.training.corpora import (
     MAX_SNIPPET_CHARS,
     DataError,
     Prompt,
+    file_prompts,
     is_heldout,
     load_prompts,
     package_prompts,
@@ -140,3 +142,18 @@ def test_chat_widening_keeps_the_previous_heldout_prompts_out_of_training() -> N
     assert not train_side & {p.content() for p in old_held}
     # the evaluation file's chat prompts (runtime.evalsets) are still the previous held-out ones
     assert [r["messages"] for r in evaluation_chat(len(old_held))] == [p.message_dicts() for p in old_held]
+
+
+def test_export_writes_base_then_only_new_prompts_never_held_out(tmp_path: Path) -> None:
+    from runtime.training.export import export
+
+    base = tmp_path / "base.jsonl"
+    base.write_text(json.dumps({"text": "def kept():\n    pass\n"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    counts = export(["pkg:anyio"], 10_000, out, base)
+    lines = out.read_text().splitlines()
+    assert lines[0] == base.read_text().strip()  # the base comes first, unchanged
+    assert counts["pkg:anyio"] == len(lines) - 1 > 10
+    assert not any(is_heldout(p, HELDOUT) for p in file_prompts(out)[1:])  # the split depends on content alone
+    again = export(["pkg:anyio"], 10_000, tmp_path / "again.jsonl", out)
+    assert again["pkg:anyio"] == 0 and again["skipped: already there"] == counts["pkg:anyio"]
