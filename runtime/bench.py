@@ -1,6 +1,6 @@
 """``python -m runtime.bench``: plain decoding against DFlash on the same prompts, one table.
 
-    python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH] [--no-engine]
+    python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH] [--repeat N] [--no-engine]
 
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round)
@@ -103,6 +103,11 @@ async def run_engine(target: LoadedModel, drafter: DFlashDrafter, prompts: list[
         return results
 
 
+def median_run(runs: list[list[tuple[list[int], TokenEvent]]]) -> list[tuple[list[int], TokenEvent]]:
+    """The run whose tokens/s is the median of the repeats (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: engine_summary(r)["tokens_per_s"])[len(runs) // 2]
+
+
 def engine_summary(results: list[tuple[list[int], TokenEvent]]) -> dict[str, Any]:
     decode = sum(e.timings["decode_s"] for _, e in results)
     tokens = sum(max(0, len(t) - 1) for t, _ in results)
@@ -121,7 +126,7 @@ def engine_summary(results: list[tuple[list[int], TokenEvent]]) -> dict[str, Any
 
 
 def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tuple[str, list[int]]],
-          params: GenerationParams, log: Path | None = None, engine: bool = True) -> dict[str, Any]:
+          params: GenerationParams, log: Path | None = None, engine: bool = True, repeat: int = 1) -> dict[str, Any]:
     """Every mode on every prompt; with no drafter, plain decoding alone; without ``engine``,
     plain decoding and the reference loop (tau and exactness, quickly on a CPU)."""
     ids = [p for _, p in prompts]
@@ -133,7 +138,7 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
         "max_tokens": params.max_tokens, "prompts": len(prompts), "plain": aggregate(plain_results),
     }
     if drafter is not None:
-        report.update(bench_dflash(target, drafter, ids, params, warm, [r.token_ids for r in plain_results], log, engine))
+        report.update(bench_dflash(target, drafter, ids, params, warm, [r.token_ids for r in plain_results], log, engine, repeat))
         fastest = report["dflash" if engine else "reference"]["tokens_per_s"]
         report["speedup"] = round(fastest / (report["plain"]["tokens_per_s"] or 1.0), 3)
     return report
@@ -141,14 +146,18 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
 
 def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int]], params: GenerationParams,
                  warm: GenerationParams, want: list[list[int]], log: Path | None = None,
-                 engine: bool = True) -> dict[str, Any]:
+                 engine: bool = True, repeat: int = 1) -> dict[str, Any]:
     run_dflash(target, drafter, ids[0], warm)
     if engine:
         for mode in MODES:
             anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
         anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, "sequential")
     reference = [run_dflash(target, drafter, p, params) for p in ids]
-    engines = {mode: anyio.run(run_engine, target, drafter, ids, params, mode, log) for mode in MODES} if engine else {}
+    runs: dict[str, list[list[tuple[list[int], TokenEvent]]]] = {mode: [] for mode in MODES} if engine else {}
+    for _ in range(repeat):  # modes alternate, so slow phases of the machine fall on both
+        for mode, done in runs.items():
+            done.append(anyio.run(run_engine, target, drafter, ids, params, mode, log))
+    engines = {mode: median_run(done) for mode, done in runs.items()}
     outputs = {"reference": [r.token_ids for r, _ in reference], **{m: [t for t, _ in res] for m, res in engines.items()}}
     exact = {mode: got == want for mode, got in outputs.items()}
     # in half precision a block verify and one-token forwards round differently, so near-ties
@@ -160,7 +169,8 @@ def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int
     report = {"block_size": block, "reference": ref, "exact": all(exact.values()), "exact_per_mode": exact,
               "equal_outputs_per_mode": equal}
     if engines:
-        modes = {mode: engine_summary(res) for mode, res in engines.items()}
+        modes = {mode: {**engine_summary(res), "runs_tokens_per_s": [engine_summary(r)["tokens_per_s"] for r in runs[mode]]}
+                 for mode, res in engines.items()}
         dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
         report.update(sequential=modes["sequential"], dflash=dflash, pipelined_over_sequential=round(
             dflash["tokens_per_s"] / (modes["sequential"]["tokens_per_s"] or 1.0), 3))
@@ -196,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--log", type=Path, help="append the engine runs' round logs (JSON lines) to this file")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the engine modes this many times, alternating; each reports its median run")
     parser.add_argument("--no-engine", action="store_true",
                         help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")
     return parser.parse_args(argv)
@@ -208,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     load_s = time.perf_counter() - started
     drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
-    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log, not args.no_engine)}
+    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log, not args.no_engine, args.repeat)}
     print_json(report) if args.json else print_table(report)
 
 

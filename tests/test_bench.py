@@ -21,9 +21,11 @@ def prompts(tmp_path: Path) -> Path:
 def test_bench_json_reports_every_mode_and_equal_outputs(tiny_llama_dir: Path, tiny_drafter_dir: Path, prompts: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),
-                "--max-tokens", "12", "--block-size", "4", "--dtype", "float32", "--json"])
+                "--max-tokens", "12", "--block-size", "4", "--dtype", "float32", "--json", "--repeat", "2"])
     report = json.loads(capsys.readouterr().out)
     assert report["prompts"] == 3 and report["block_size"] == 4
+    for key in ("sequential", "dflash"):  # each engine mode ran twice; the median run is reported
+        assert len(report[key]["runs_tokens_per_s"]) == 2 and report[key]["tokens_per_s"] in report[key]["runs_tokens_per_s"]
     for key in ("plain", "reference", "sequential", "dflash"):
         assert report[key]["tokens_per_s"] > 0
     assert report["dflash"]["tau"] >= 1.0 and len(report["dflash"]["acceptance_per_position"]) == 3

@@ -20,7 +20,15 @@ from collections import Counter
 from pathlib import Path
 
 from ..cli import run_cli
-from .corpora import SOURCE_NAMES, DataError, Prompt, _package_file, _record_prompt, is_heldout, load_prompts
+from .corpora import (
+    SOURCE_NAMES,
+    DataError,
+    Prompt,
+    _package_file,
+    _record_prompt,
+    is_heldout,
+    load_prompts,
+)
 
 HELDOUT_FRACTION = 0.02  # the trainer's default split
 
