@@ -62,6 +62,11 @@ class Engine:
         """Whether batched steps run at power-of-two row counts (see runtime.batching)."""
         return default_pad_batches() if self._pad_batches is None else self._pad_batches
 
+    @property
+    def compiles_steps(self) -> bool:
+        """Whether verify and draft forwards run as compiled steps (runtime.models.steps)."""
+        return bool(self.target.model.compile_steps or self.drafter.compile_steps)
+
     @classmethod
     def load(cls, model: str | Path | None = None, draft: str | Path | None = None, *, mode: str = "pipelined",
              log: str | Path | None = None, dtype: str = "auto", pad_batches: bool | None = None) -> "Engine":

@@ -315,3 +315,18 @@ def test_warm_up_runs_batched_steps_when_batches_are_padded(tiny_llama: LoadedMo
         logged = map(records.from_json, log.read_text().splitlines())
         sizes = {r.batch_size for r in logged if isinstance(r, RoundRecord)}
     assert max(sizes) >= 2, f"warm-up never batched: {sizes}"
+
+
+def test_warm_up_traces_compiled_steps_at_each_buffer_size(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+    tiny_llama.model.compile_steps = tiny_drafter.compile_steps = True
+    try:
+        engine = Engine(tiny_llama, tiny_drafter)
+        with ServerThread(create_app(engine, ServerSettings(model_name=MODEL, max_concurrent=2))) as srv:
+            deadline = time.time() + 60
+            while httpx.get(srv.url + "/health").status_code != 200:
+                assert time.time() < deadline, "never became ready"
+                time.sleep(0.05)
+        # the tiny model's 512 positions hold two buffer sizes: both were traced before clients came
+        assert {extent for extent, _ in tiny_llama.model._steps._steps} >= {256, 512}
+    finally:
+        tiny_llama.model.compile_steps = tiny_drafter.compile_steps = False

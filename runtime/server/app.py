@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol import GenerationParams, TokenEvent
 
+from ..cache import GROWTH_STEP
 from ..engine import Engine
 from ..errors import ContextLengthError, RequestError, RuntimeErrorBase
 from ..plain import check_context
@@ -34,6 +35,10 @@ from .schemas import ChatCompletionRequest, CompletionRequest, error_body
 MAX_STOP_STRINGS = 16
 MAX_BLOCK_SIZE = 64
 MAX_SEED = 2**63 - 1
+
+
+WARM_CONTEXT = 4 * GROWTH_STEP  # buffer sizes traced at start-up; longer requests trace theirs when they get there
+WARM_MARGIN = 40  # a warm-up prompt this far below a buffer size stays inside it for its few rounds
 
 
 @dataclass
@@ -279,16 +284,23 @@ class Server:
 
     async def warm_up(self) -> None:
         """One short generation; where batched steps run at power-of-two sizes (a GPU), also one
-        step of each size up to ``max_concurrent``, so the first clients do not wait for kernels
-        built per shape."""
+        step of each size up to ``max_concurrent``; where steps are compiled (a GPU), all that at
+        each KV buffer size up to WARM_CONTEXT, each of which has its own trace. So the first
+        clients do not wait for kernels built per shape or steps traced per buffer size."""
         ids = self.engine.encode("Hello") or [0]
         sizes = [1]
         while self.engine.pads_batches and sizes[-1] < self.settings.max_concurrent:
             sizes.append(sizes[-1] * 2)
-        for size in sizes:
-            async with anyio.create_task_group() as tg:
-                for _ in range(size):
-                    tg.start_soon(self._warm_up_one, ids)
+        prompts = [ids]
+        if self.engine.compiles_steps:
+            limit = self.engine.target.model.args.max_position_embeddings - WARM_MARGIN
+            lengths = range(GROWTH_STEP - WARM_MARGIN, min(WARM_CONTEXT, limit) + 1, GROWTH_STEP)
+            prompts = [(ids * n)[:n] for n in lengths] or prompts  # a prompt ending inside each buffer size
+        for prompt in prompts:
+            for size in sizes:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(size):
+                        tg.start_soon(self._warm_up_one, prompt)
 
     async def _warm_up_one(self, ids: list[int]) -> None:
         async for event in self.engine.generate(ids, GenerationParams(max_tokens=4, temperature=0.0)):
