@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    target = load_target(args.model or default_model_path(), dtype=args.dtype)
+    target = load_target(args.model or default_model_path(), dtype=args.dtype, fuse=False)  # HF names
     args.out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(target.model.parameters()))
     mx.save_safetensors(str(args.out / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -397,11 +397,17 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     return read_hf_folder(path)
 
 
-def load_target(path: str | Path, dtype: str = "auto") -> LoadedModel:
-    """Load a target model and its tokenizer from a folder or a GGUF file."""
+def load_target(path: str | Path, dtype: str = "auto", fuse: bool = True) -> LoadedModel:
+    """Load a target model and its tokenizer from a folder or a GGUF file.
+
+    ``fuse`` computes q/k/v and gate/up in one matmul each (fewer ops per forward); the
+    model's parameters then no longer carry the checkpoint's names (export with fuse=False).
+    """
     ckpt = read_checkpoint(path)
     tokenizer = ckpt.tokenizer()
     model, compute = build_target(ckpt, dtype)
+    if fuse:
+        model.fuse_projections()
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=ckpt.config, source=ckpt.source,
         format=ckpt.format, compute_dtype=compute, quantized=bool(ckpt.quantized),

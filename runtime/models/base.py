@@ -137,16 +137,30 @@ class Attention(nn.Module):
         b, length, _ = x.shape
         return x.reshape(b, length, n, self.head_dim)
 
+    def fuse_projections(self) -> None:
+        """Compute q, k and v in one matmul (an inference model: the HF names are gone after it)."""
+        fused = concatenated([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self["q_proj"], self["k_proj"], self["v_proj"]
+
+    def _projections(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v as ``[b, heads, L, head_dim]``."""
+        if "qkv_proj" not in self:
+            heads = (self._heads(self.q_proj(x), self.n_heads), self._heads(self.k_proj(x), self.n_kv_heads),
+                     self._heads(self.v_proj(x), self.n_kv_heads))
+            return tuple(t.transpose(0, 2, 1, 3) for t in heads)  # type: ignore[return-value]
+        qkv = self._heads(self.qkv_proj(x), self.n_heads + 2 * self.n_kv_heads).transpose(0, 2, 1, 3)
+        q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
+        return qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+
     def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache | None,
                  attention: tuple[int, mx.array | None] | None = None) -> mx.array:
         """``attention``: the cache's ``attention_mask`` for this forward (shared by the layers)."""
         b, length, _ = x.shape
-        q = self._heads(self.q_proj(x), self.n_heads)
-        k = self._heads(self.k_proj(x), self.n_kv_heads)
-        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        q, k, v = self._projections(x)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
         mask: mx.array | str | None = "causal" if length > 1 else None
@@ -162,12 +176,47 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
+        self.intermediate = intermediate
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def fuse_projections(self) -> None:
+        """Compute gate and up in one matmul (an inference model: the HF names are gone after it)."""
+        fused = concatenated([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self["gate_proj"], self["up_proj"]
+
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            both = self.gate_up_proj(x)
+            gate, up = both[..., : self.intermediate], both[..., self.intermediate :]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
+
+
+def concatenated(parts: Sequence[nn.Module]) -> nn.Module | None:
+    """One projection whose outputs are ``parts``' outputs side by side; None if they differ in kind.
+
+    Output rows are independent in a matmul (and in a quantized one, whose groups run along
+    the input), so stacking the weights' rows gives each part's own result, with one op
+    where there were several: on a GPU each op costs host time (runtime.models.steps).
+    """
+    first = parts[0]
+    if all(type(p) is nn.Linear for p in parts):
+        fused: nn.Module = nn.Linear(1, 1, bias="bias" in first)
+    elif all(type(p) is nn.QuantizedLinear and (p.group_size, p.bits, p.mode) == (first.group_size, first.bits, first.mode)
+             for p in parts):
+        fused = nn.QuantizedLinear(first.group_size, 1, bias="bias" in first, group_size=first.group_size,
+                                   bits=first.bits, mode=first.mode)
+    else:
+        return None
+    for name, value in first.items():
+        if isinstance(value, mx.array):
+            fused[name] = mx.concatenate([p[name] for p in parts], axis=0)
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -273,6 +322,13 @@ class DecoderModel(nn.Module):
         logits = self.logits(self.model.norm(h))
         taps = mx.concatenate(tapped, axis=-1) if tap_layers else None  # type: ignore[arg-type]
         return ForwardOutput(logits, taps)
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up in one matmul each, in every layer (for inference: see ``concatenated``)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+        mx.eval(self.parameters())  # once, here: lazy concatenations would be recomputed by every forward
 
     def make_cache(self) -> list[KVCache]:
         """Per-layer caches; the batch axis comes from the first write."""
