@@ -11,7 +11,7 @@ import pytest
 from protocol import GenerationParams
 from runtime.cache import StackedKVCache
 from runtime.errors import ContextLengthError
-from runtime.loading import LoadedModel, load_drafter
+from runtime.loading import LoadedModel, load_drafter, load_target
 from runtime.plain import generate_plain, run_to_end
 
 from . import fixtures
@@ -159,3 +159,17 @@ def test_a_stacked_draft_with_shorter_blocks_gives_each_request_its_own_drafts(
     got = tiny_drafter.hidden(tokens, new_rows, stacked, keep=mx.array(keep), block_lens=mx.array(blocks))
     for r in range(3):
         np.testing.assert_allclose(np.array(got[r, : blocks[r]]), np.array(want[r]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family,quantized", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_fused_projections_give_the_unfused_logits(tmp_path: Path, family: str, quantized: bool) -> None:
+    config = fixtures.tiny_config(family)
+    weights = fixtures.random_weights(config)
+    folder = (fixtures.mlx_quantized_folder if quantized else fixtures.hf_folder)(tmp_path / family, config, weights)
+    fused, plain = load_target(folder, dtype="float32"), load_target(folder, dtype="float32", fuse=False)
+    layer = fused.model.model.layers[0]
+    assert "qkv_proj" in layer.self_attn and "gate_up_proj" in layer.mlp and "q_proj" not in layer.self_attn
+    tokens = mx.array([[3, 17, 42, 5, 99, 7]])
+    a = fused.model(tokens, fused.model.make_cache(), tap_layers=(0, 1)).logits
+    b = plain.model(tokens, plain.model.make_cache(), tap_layers=(0, 1)).logits
+    assert float(mx.abs(a - b).max()) < 1e-4
