@@ -14,7 +14,9 @@ target forward (plain decoding), it reports:
 - ``queued_ms``: per call with ``reps`` calls queued before one wait (device throughput:
   when it is close to ``host_ms`` the step is bound by the host, not the device).
 
-Every repetition starts from the same cache state, so all run at the same shapes. Then
+Every repetition starts from the same cache state, so all run at the same shapes; the
+``verify_chain_*`` rows instead run verifies one after another on the live caches, waited
+for or queued, to show what updating buffers still in flight costs. Then
 the actor engine runs one request in each mode under cProfile, and the functions with
 the most own time are listed: the host's share of a round, by function. ``--compile both``
 (the default) measures everything with eager and with compiled steps (runtime.models.steps).
@@ -141,7 +143,37 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
         "draft": time_step(draft, drafter_cache, reps),
         "round": time_step(lambda: verify(draft()[0]), both, reps),
         "plain_token": time_step(plain, [], reps),
+        "verify_chain_waited": chained(lambda: verify(drafts), target_cache, len(ids), reps, wait=True),
+        "verify_chain_queued": chained(lambda: verify(drafts), target_cache, len(ids), reps, wait=False),
     }
+
+
+def chained(step: Step, caches: Sequence[DeviceKVCache], length: int, reps: int, wait: bool) -> dict[str, float]:
+    """Steps one after another on the live caches, each keeping one row, waiting for each (as
+    sequential rounds do) or not (as pipelined rounds do).
+
+    A buffer that a step still in flight holds cannot be updated in place, so MLX copies it:
+    if the queued chain costs the host more per step than the waited one, that is why.
+    """
+    saved = [c.snapshot() for c in caches]
+    host, pending = 0.0, []
+    start = time.perf_counter()
+    for i in range(reps):
+        t = time.perf_counter()
+        outputs = step()
+        mx.async_eval(*outputs)
+        host += time.perf_counter() - t
+        for cache in caches:
+            cache.settle(length + i + 1)
+        if wait:
+            mx.eval(*outputs)
+        else:
+            pending.append(outputs)
+    mx.eval(*[o for outputs in pending for o in outputs])
+    per_step = (time.perf_counter() - start) / reps
+    for cache, state in zip(caches, saved):
+        cache.restore(state)
+    return {"host_ms": _ms(host / reps), "per_step_ms": _ms(per_step)}
 
 
 def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int, block: int, top: int) -> dict[str, Any]:
