@@ -9,7 +9,9 @@ it and are overwritten next round.
 Rounds of many requests are verified together: at each flush every drafted round
 waiting here goes into one target forward over their stacked caches (each row at its
 own KV length and positions), padded to the longest block; a row never accepts past
-its own block.
+its own block. The stack is kept from step to step while the same requests are verified
+together (stacking copies every buffer and unstacking makes a view per row and layer:
+ops that cost host time on a GPU); they get their rows back when it breaks up.
 """
 
 from __future__ import annotations
@@ -22,10 +24,26 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from protocol import ActorMessage, Admit, Drafted, GenerationParams, Prefilled, RoundAck, VerdictQueued, Verified
+from protocol import (
+    ActorMessage,
+    Admit,
+    Drafted,
+    GenerationParams,
+    Prefilled,
+    RoundAck,
+    VerdictQueued,
+    Verified,
+)
 from runtime.acceptance import stacked_verdicts
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
-from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, restored_on_failure, round_up, stack_layers
+from runtime.cache import (
+    ATTENTION_BUCKET,
+    DeviceKVCache,
+    StackedKVCache,
+    restored_on_failure,
+    round_up,
+    stack_layers,
+)
 from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
@@ -66,6 +84,19 @@ class RoundOutputs:
 
 
 @dataclass
+class StackedBatch:
+    """Requests verified together, in row order, and their stacked caches: while it lasts the
+    stack holds their device rows (their own caches keep only the host-side bookkeeping)."""
+
+    ids: tuple[str, ...]
+    layers: list[StackedKVCache]
+
+    def release(self) -> None:
+        for layer in self.layers:
+            layer.release(len(self.ids))
+
+
+@dataclass
 class VerifierRequest:
     params: GenerationParams
     sampler: Sampler
@@ -87,6 +118,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         self.drafter: Drafter | None = None
         self._admitted: list[Admit] = []
         self._drafted: dict[str, Drafted] = {}  # request id -> its round waiting to be verified
+        self._batch: StackedBatch | None = None
 
     def outputs(self, request_id: str, round: int) -> RoundOutputs:
         return super().outputs(request_id, round)
@@ -105,6 +137,8 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             self._acknowledged(message)
 
     def forget(self, request_id: str) -> None:
+        if self._batch is not None and request_id in self._batch.ids:
+            self._break_batch()
         super().forget(request_id)
         self._drafted.pop(request_id, None)
         self._admitted = [a for a in self._admitted if a.request_id != request_id]  # not prefilled yet
@@ -147,6 +181,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
     async def _verify(self, rounds: Sequence[Drafted]) -> None:
         """One target forward for the given rounds of different requests (plus blank padding rows)."""
         assert self.committer is not None and self.drafter_inbox is not None and self.drafter is not None
+        rounds = self._in_batch_order(rounds)
         requests = [self.requests[m.request_id] for m in rounds]
         blocks = [m.block_size for m in rounds]
         n = len(rounds)
@@ -160,7 +195,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         anchors = mx.stack([r.outputs[m.round - 1].bonus for r, m in zip(requests, rounds)]
                            + [mx.array(0, dtype=mx.int32)] * (rows - n))
         tokens = mx.concatenate([anchors[:, None], drafts], axis=1)
-        with self._stacked([r.cache for r in requests], width, rows) as caches:
+        with self._stacked([m.request_id for m in rounds], [r.cache for r in requests], width, rows) as caches:
             kv_before = caches[0].length.reshape(-1)[:n]
             out = self.target(tokens, caches, tap_layers=self.tap_layers)
             assert out.taps is not None
@@ -181,21 +216,53 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             draft_queued_at=m.draft_queued_at, verify_queued_at=queued, batch_size=n) for m in rounds])
         await send_burst(self.drafter_inbox, [VerdictQueued(request_id=m.request_id, round=m.round) for m in rounds])
 
+    def _in_batch_order(self, rounds: Sequence[Drafted]) -> list[Drafted]:
+        """The rounds in the kept stack's row order when they are its requests (else as they came)."""
+        if self._batch is None or {m.request_id for m in rounds} != set(self._batch.ids):
+            return list(rounds)
+        row = {rid: i for i, rid in enumerate(self._batch.ids)}
+        return sorted(rounds, key=lambda m: row[m.request_id])
+
     @contextmanager
-    def _stacked(self, caches: Sequence[list[DeviceKVCache]], new_rows: int,
+    def _stacked(self, ids: Sequence[str], caches: Sequence[list[DeviceKVCache]], new_rows: int,
                  rows: int) -> Iterator[Sequence[DeviceKVCache]]:
         """The layers' caches of these requests for one forward (stacked, with blank rows up to ``rows``).
 
-        On failure every member's caches are restored, so a retry starts from the same state.
+        The previous step's stack serves again when it holds the same requests and the new
+        rows fit. On failure the caches (or the stack, whose rows then go back to the
+        requests) are restored, so a retry starts from the same state.
         """
-        with restored_on_failure(caches):
-            if rows == 1:
+        if rows == 1:
+            self._break_batch()
+            with restored_on_failure(caches):
                 yield caches[0]
-                return
-            stacked = stack_layers(caches, new_rows, rows)
-            yield stacked
-            for layer in stacked:
-                layer.unstack([new_rows] * len(caches))
+            return
+        batch = self._batch
+        if batch is None or batch.ids != tuple(ids) or len(batch.layers[0].members) != rows \
+                or not all(layer.fits(new_rows) for layer in batch.layers):
+            self._break_batch()
+            batch = self._batch = StackedBatch(tuple(ids), stack_layers(caches, new_rows, rows))
+            for layers in caches:  # their rows live in the stack now: drop the copies
+                for layer in layers:
+                    layer.keys = layer.values = None
+        try:
+            with restored_on_failure([batch.layers]):
+                yield batch.layers
+        except BaseException:
+            self._break_batch()
+            raise
+        for layer in batch.layers:
+            layer.count_writes([new_rows] * len(ids))
+
+    def _break_batch(self) -> None:
+        if self._batch is not None:
+            self._batch.release()
+            self._batch = None
+
+    @property
+    def cache_bytes(self) -> int:
+        stacked = sum(layer.nbytes for layer in self._batch.layers) if self._batch is not None else 0
+        return super().cache_bytes + stacked
 
     def _acknowledged(self, ack: RoundAck) -> None:
         if ack.finished:

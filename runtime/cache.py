@@ -266,12 +266,27 @@ class StackedKVCache(DeviceKVCache):
         ``0`` rows took part without new rows (they lie past its valid end and its bound):
         the drafter's newcomers, whose context went in beforehand.
         """
-        assert self.keys is not None and self.values is not None
-        for row, (cache, rows) in enumerate(zip(self.members, written)):
-            cache.keys, cache.values = self.keys[row : row + 1], self.values[row : row + 1]
-            cache.length = self.length[row]
+        self.count_writes(written)
+        self.release(len(written))
+
+    def count_writes(self, written: Sequence[int]) -> None:
+        """The members' host-side bookkeeping of a step's writes (their device rows stay here)."""
+        for cache, rows in zip(self.members, written):
             if rows:
                 cache._count_write(rows)
+
+    def release(self, members: int) -> None:
+        """Give the first ``members`` members their rows of the buffers and the device length."""
+        assert self.keys is not None and self.values is not None
+        for row, cache in enumerate(self.members[:members]):
+            cache.keys, cache.values = self.keys[row : row + 1], self.values[row : row + 1]
+            cache.length = self.length[row]
+
+    def fits(self, new_rows: int) -> bool:
+        """Take the members' current bounds (acknowledgements tighten them); whether ``new_rows``
+        more still fit the buffer, so the stack can serve another step as it is."""
+        self.bound = max(c.bound for c in self.members)
+        return self.bound + new_rows <= self.capacity
 
 
 def stack_layers(requests: Sequence[Sequence[DeviceKVCache]], new_rows: int, rows: int) -> list[StackedKVCache]:

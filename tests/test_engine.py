@@ -394,3 +394,67 @@ def test_compiled_steps_give_every_request_its_plain_greedy_output(
     together = run(_run_concurrently(Engine(tiny_llama, tiny_drafter, mode=mode, pad_batches=True), PROMPTS[:12], params))
     assert [together[i] for i in range(12)] == want
     assert tiny_llama.model._steps._steps and tiny_drafter._steps._steps  # the compiled steps did run
+
+
+def test_a_batch_keeps_its_stacked_caches_while_its_requests_stay_together(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
+    import actors.verifier as verifier_module
+
+    stacks, steps = [], []
+    stack_layers = verifier_module.stack_layers
+    monkeypatch.setattr(verifier_module, "stack_layers", lambda *a: stacks.append(1) or stack_layers(*a))
+    verify = Verifier._verify
+
+    async def counted(self: Verifier, rounds: Any) -> None:
+        steps.append(len(rounds))
+        await verify(self, rounds)
+
+    monkeypatch.setattr(Verifier, "_verify", counted)
+    params = [GenerationParams(max_tokens=40, block_size=3) for _ in range(6)]
+    engine = Engine(tiny_llama, tiny_drafter, pad_batches=True)
+    results = run(_run_concurrently(engine, PROMPTS[:6], params))
+    assert [results[i] for i in range(6)] == [plain(tiny_llama, PROMPTS[i], params[i]) for i in range(6)]
+    batched = sum(n > 1 for n in steps)
+    assert batched >= 10 and len(stacks) <= batched // 3, (len(stacks), batched)  # rebuilt only when membership changed
+    assert engine.verifier._batch is None and engine.verifier.cache_bytes == 0  # released at the end
+
+
+def test_a_failed_verify_on_a_kept_stack_is_retried_per_request_from_the_same_state(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched verify fails on a stack kept from earlier steps, after its lengths advanced: the
+    stack is restored and broken up, each request retries alone, and every output is still exact."""
+    from runtime.cache import StackedKVCache
+
+    params = GenerationParams(max_tokens=30, block_size=3)
+    real_advance, seen, failed = StackedKVCache.advance, [], []
+
+    def flaky_advance(self: StackedKVCache, n: Any) -> None:
+        real_advance(self, n)
+        batch = engine.verifier._batch
+        if batch is not None and self is batch.layers[0]:
+            seen.append(batch)
+            if not failed and len(seen) >= 3 and seen[-1] is seen[-2]:  # a stack kept from the step before
+                failed.append(len(seen))
+                raise RuntimeError("injected failure of a batched verify, after its lengths advanced")
+
+    monkeypatch.setattr(StackedKVCache, "advance", flaky_advance)
+    engine = Engine(tiny_llama, tiny_drafter)
+
+    async def main() -> dict[int, list[int]]:
+        results: dict[int, list[int]] = {}
+        async with engine:
+            async def one(i: int) -> None:
+                ids, last = await collect(engine, PROMPTS[i], params)
+                assert last.finish_reason != "error", last.error
+                results[i] = ids
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(4):
+                        tg.start_soon(one, i)
+        assert failed and len(seen) > failed[0], "no failure on a kept stack, or nothing after it"
+        return results
+
+    results = run(main)
+    for i in range(4):
+        assert results[i] == plain(tiny_llama, PROMPTS[i], params)
