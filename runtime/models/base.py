@@ -144,25 +144,27 @@ class Attention(nn.Module):
             self.qkv_proj = fused
             del self["q_proj"], self["k_proj"], self["v_proj"]
 
-    def _projections(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """q, k, v as ``[b, heads, L, head_dim]``."""
-        if "qkv_proj" not in self:
-            heads = (self._heads(self.q_proj(x), self.n_heads), self._heads(self.k_proj(x), self.n_kv_heads),
-                     self._heads(self.v_proj(x), self.n_kv_heads))
-            return tuple(t.transpose(0, 2, 1, 3) for t in heads)  # type: ignore[return-value]
-        qkv = self._heads(self.qkv_proj(x), self.n_heads + 2 * self.n_kv_heads).transpose(0, 2, 1, 3)
+    def _projections(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """q and k (RoPE at ``offset``) and v, as ``[b, heads, L, head_dim]``."""
         q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
-        return qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+        if "qkv_proj" in self:
+            qkv = self._heads(self.qkv_proj(x), self.n_heads + 2 * self.n_kv_heads).transpose(0, 2, 1, 3)
+            if "q_norm" not in self:  # q and k heads sit side by side at the same positions: one RoPE
+                qk = self.rope(qkv[:, :k_end], offset)
+                return qk[:, :q_end], qk[:, q_end:], qkv[:, k_end:]
+            q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+        else:
+            q, k, v = (self._heads(proj(x), n).transpose(0, 2, 1, 3) for proj, n in (
+                (self.q_proj, self.n_heads), (self.k_proj, self.n_kv_heads), (self.v_proj, self.n_kv_heads)))
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rope(q, offset), self.rope(k, offset), v
 
     def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache | None,
                  attention: tuple[int, mx.array | None] | None = None) -> mx.array:
         """``attention``: the cache's ``attention_mask`` for this forward (shared by the layers)."""
         b, length, _ = x.shape
-        q, k, v = self._projections(x)
-        if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        q, k, v = self._projections(x, cache.offset if cache is not None else 0)
         mask: mx.array | str | None = "causal" if length > 1 else None
         if cache is not None:
             extent, mask = attention or cache.attention_mask(length)
