@@ -208,8 +208,8 @@ class TracedKVCache(DeviceKVCache):
     """A device cache inside a compiled step: buffers and length are the step's inputs.
 
     A trace must not depend on the host-side ``bound``, which changes every round: the
-    caller fixes the extent instead (``extent_after`` of the real cache), so one trace
-    serves every round whose keys span the same buckets.
+    caller fixes the extent instead (the buffer's capacity: attention then reads the whole
+    buffer under the mask), so one trace serves every round until the buffer grows.
     """
 
     def __init__(self, keys: mx.array, values: mx.array, length: mx.array, extent: int) -> None:
@@ -242,12 +242,13 @@ def adopt_arrays(caches: Sequence[DeviceKVCache], arrays: Sequence[mx.array], ro
 
 
 class StackedKVCache(DeviceKVCache):
-    """One layer's caches of several requests on the batch axis, for one batched forward.
+    """One layer's caches of several requests on the batch axis, for batched forwards.
 
     Row r is member r's cache: ``length`` is ``[R]``, so each row writes, ropes and
-    attends at its own length. ``unstack`` gives every member its row back. Stacking
-    copies the members' buffers once per round: on these model sizes that costs far less
-    than the kernel launches a separate forward per request would.
+    attends at its own length. ``unstack`` gives every member its row back (``count_writes``
+    and ``release`` separately, for a stack that serves several steps: the verifier keeps
+    one while the same requests are verified together). Stacking copies the members'
+    buffers: far cheaper than the kernel launches a separate forward per request would be.
     """
 
     def __init__(self, members: Sequence[DeviceKVCache], new_rows: int) -> None:
