@@ -1,6 +1,6 @@
 """Train a DFlash drafter for a target: ``python -m runtime.train --out DIR [options]``.
 
-Prompts come from package corpora (gsm, code, chat, stdlib) and/or files; the target
+Prompts come from package corpora (gsm, code, code-def, chat, stdlib, pkg:DIST) and/or files; the target
 regenerates every response (cached on disk); then the drafter trains on the target's
 own taps. OUT receives a z-lab-format drafter (config.json + model.safetensors) that
 ``python -m runtime.generate --draft OUT`` uses, plus OUT/checkpoint for ``--resume``.
@@ -30,7 +30,7 @@ from .training.drafter import DrafterShape, choose_mask_token, drafter_config, n
 from .training.trainer import StepStats, Trainer, TrainSettings, can_train_on
 
 DEFAULT_CACHE_DIR = Path("~/.cache/dflash-runtime/regenerated")
-DEFAULT_SOURCES = ["gsm", "code", "chat", "stdlib"]
+DEFAULT_SOURCES = ["gsm", "code", "code-def", "chat", "stdlib"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

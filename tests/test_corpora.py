@@ -157,3 +157,29 @@ def test_export_writes_base_then_only_new_prompts_never_held_out(tmp_path: Path)
     assert not any(is_heldout(p, HELDOUT) for p in file_prompts(out)[1:])  # the split depends on content alone
     again = export(["pkg:anyio"], 10_000, tmp_path / "again.jsonl", out)
     assert again["pkg:anyio"] == 0 and again["skipped: already there"] == counts["pkg:anyio"]
+
+
+def test_a_documented_header_is_the_imports_the_signature_and_the_task_as_docstring() -> None:
+    from runtime.training.corpora import documented_header
+
+    code = ("# import necessary packages\nimport math\nfrom typing import List\n\n# main function\n"
+            "def main_solution(xs: List[float],\n                  k: int) -> float:  # the entry point\n"
+            "    # convert inputs\n    total = sum(xs)\n    return math.sqrt(total) * k\n")
+    text = documented_header(code, "main_solution", "Scale the root of a sum.\n\nInput: xs, k")
+    assert text == ("import math\nfrom typing import List\n\n\n"
+                    "def main_solution(xs: List[float],\n                  k: int) -> float:  # the entry point\n"
+                    '    """Scale the root of a sum.\n\n    Input: xs, k\n    """\n')
+    ast.parse(text + "    ...\n")  # a body makes it valid Python: the target writes one
+    assert documented_header(code, "other", "doc") is None
+    assert documented_header("def main_solution(x): return x\n", "main_solution", "doc") is None
+    assert documented_header("def main_solution(:\n", "main_solution", "doc") is None
+
+
+def test_codeio_tasks_become_humaneval_shaped_code_prompts() -> None:
+    pytest.importorskip("reasoning_gym")
+    from runtime.training.corpora import code_def_prompts
+
+    prompts = code_def_prompts()
+    assert len(prompts) > 1000 and all(p.text and "def main_solution(" in p.text and p.text.endswith('"""\n')
+                                       for p in prompts)
+    assert len({p.text for p in prompts}) == len(prompts)

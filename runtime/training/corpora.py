@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import sysconfig
 import textwrap
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,53 @@ def code_prompts() -> list[Prompt]:
     return list(prompts.values())
 
 
+def code_def_prompts() -> list[Prompt]:
+    """CodeIO tasks as raw code to continue: each task's imports and ``main_solution`` header, with
+    the task as its docstring (HumanEval's shape; deduplicated by task)."""
+    prompts: dict[str, Prompt] = {}
+    for item in _codeio_items():
+        doc = f"{item['task_description'].strip()}\n\n{item['input_output_spec'].strip()}"
+        prompt = documented_header(item["code_sample"], "main_solution", doc)
+        if prompt is not None:
+            prompts.setdefault(item["task_description"], Prompt("code-def", text=prompt))
+    return list(prompts.values())
+
+
+def documented_header(code: str, name: str, doc: str) -> str | None:
+    """``code``'s imports, two blank lines, then function ``name``'s header with ``doc`` as its
+    docstring: what the target continues with a body. None if ``code`` does not define it."""
+    try:
+        tree = _parse(code)
+    except (SyntaxError, ValueError):
+        return None
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name), None)
+    if node is None or not node.body or '"""' in doc:
+        return None
+    header = _signature(code.splitlines()[node.lineno - 1 : node.body[0].lineno - 1])
+    if header is None:
+        return None
+    imports = _module_imports(tree)
+    body = textwrap.indent(f'"""{doc}\n"""', "    ")
+    text = (f"{imports}\n\n\n" if imports else "") + f"{header}\n{body}\n"
+    return text if len(text) <= MAX_SNIPPET_CHARS + MAX_IMPORT_LINES * MAX_IMPORT_CHARS else None
+
+
+def _parse(code: str) -> ast.Module:
+    """``ast.parse`` without the warnings that old code's invalid escapes raise (it is only read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(code)
+
+
+def _signature(lines: list[str]) -> str | None:
+    """The ``def`` lines up to the one ending in the signature's colon (comments after it are not
+    part of it); None when the body shares the header's line."""
+    for end, line in enumerate(lines):
+        if line.split("#", 1)[0].rstrip().endswith(":"):
+            return "\n".join(lines[: end + 1]).rstrip()
+    return None
+
+
 def chat_prompts() -> list[Prompt]:
     """chatterbot-corpus conversations: each opening line, user-assistant-user prefixes, then every
     later turn on its own (short casual lines too).
@@ -159,7 +207,7 @@ def _chat_conversations() -> list[list[str]]:
 def _documented_functions(source: str) -> Iterator[str]:
     """Each documented function's header and docstring, dedented: code for the model to continue."""
     lines = source.splitlines()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parse(source)):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
             continue
         doc = node.body[0]
@@ -180,7 +228,7 @@ def _module_imports(tree: ast.Module) -> str:
 def _continue_prompts(source: str, code: str) -> list[Prompt]:
     """HumanEval-shaped prompts, one per documented function of ``code``: imports, two blank lines,
     header and docstring. Raises SyntaxError (or ValueError) for code that does not parse."""
-    imports = _module_imports(ast.parse(code))
+    imports = _module_imports(_parse(code))
     head = f"{imports}\n\n\n" if imports else ""
     return [Prompt(source, text=head + snippet) for snippet in _documented_functions(code)
             if len(snippet) <= MAX_SNIPPET_CHARS]
@@ -247,7 +295,7 @@ def file_prompts(path: Path) -> list[Prompt]:
     """JSONL records (``messages``, ``prompt`` or ``text``) or plain text, one user prompt a line."""
     _refuse_evaluation_data(path)
     if not path.is_file():
-        raise DataError(f"{path} does not exist: --data takes gsm, code, chat, stdlib, pkg:DIST or prompt files")
+        raise DataError(f"{path} does not exist: --data takes gsm, code, code-def, chat, stdlib, pkg:DIST or prompt files")
     source = f"file:{path.name}"
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if path.suffix not in (".jsonl", ".json"):
@@ -269,7 +317,7 @@ def file_prompts(path: Path) -> list[Prompt]:
 
 
 NAMED_SOURCES: dict[str, Callable[[], list[Prompt]]] = {
-    "code": code_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
+    "code": code_prompts, "code-def": code_def_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
 }
 SOURCE_NAMES = ("gsm", *NAMED_SOURCES, f"{PACKAGE_PREFIX}DIST")  # as --data's help lists them
 
