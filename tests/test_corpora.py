@@ -183,3 +183,16 @@ def test_codeio_tasks_become_humaneval_shaped_code_prompts() -> None:
     assert len(prompts) > 1000 and all(p.text and "def main_solution(" in p.text and p.text.endswith('"""\n')
                                        for p in prompts)
     assert len({p.text for p in prompts}) == len(prompts)
+
+
+def test_export_caps_each_source_and_keeps_only_humaneval_shaped_code(tmp_path: Path) -> None:
+    from runtime.training.export import export, humaneval_shaped
+
+    long_doc = "def f(x):\n    \"\"\"" + "Explain. " * 60 + "\n    \"\"\"\n"
+    assert not humaneval_shaped(long_doc, 1600, 300)  # long, and no example
+    assert humaneval_shaped(long_doc.replace("Explain. E", ">>> f(1)\n    2\n    E", 1), 1600, 300)
+    assert not humaneval_shaped(long_doc, 200, 200)
+    counts = export(["pkg:anyio"], 10_000, tmp_path / "out.jsonl", per_source=5, max_chars=1600, doctest_or_under=600)
+    texts = [p.text or "" for p in file_prompts(tmp_path / "out.jsonl")]
+    assert counts["pkg:anyio"] == len(texts) == 5 and counts["skipped: over the per-source cap"] > 0
+    assert all(len(t) <= 600 or ">>>" in t for t in texts)

@@ -143,7 +143,7 @@ def documented_header(code: str, name: str, doc: str) -> str | None:
     """``code``'s imports, two blank lines, then function ``name``'s header with ``doc`` as its
     docstring: what the target continues with a body. None if ``code`` does not define it."""
     try:
-        tree = _parse(code)
+        tree = parse_code(code)
     except (SyntaxError, ValueError):
         return None
     node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name), None)
@@ -158,7 +158,7 @@ def documented_header(code: str, name: str, doc: str) -> str | None:
     return text if len(text) <= MAX_SNIPPET_CHARS + MAX_IMPORT_LINES * MAX_IMPORT_CHARS else None
 
 
-def _parse(code: str) -> ast.Module:
+def parse_code(code: str) -> ast.Module:
     """``ast.parse`` without the warnings that old code's invalid escapes raise (it is only read)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -207,7 +207,7 @@ def _chat_conversations() -> list[list[str]]:
 def _documented_functions(source: str) -> Iterator[str]:
     """Each documented function's header and docstring, dedented: code for the model to continue."""
     lines = source.splitlines()
-    for node in ast.walk(_parse(source)):
+    for node in ast.walk(parse_code(source)):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
             continue
         doc = node.body[0]
@@ -228,7 +228,7 @@ def _module_imports(tree: ast.Module) -> str:
 def _continue_prompts(source: str, code: str) -> list[Prompt]:
     """HumanEval-shaped prompts, one per documented function of ``code``: imports, two blank lines,
     header and docstring. Raises SyntaxError (or ValueError) for code that does not parse."""
-    imports = _module_imports(_parse(code))
+    imports = _module_imports(parse_code(code))
     head = f"{imports}\n\n\n" if imports else ""
     return [Prompt(source, text=head + snippet) for snippet in _documented_functions(code)
             if len(snippet) <= MAX_SNIPPET_CHARS]
