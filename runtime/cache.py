@@ -287,6 +287,7 @@ class StackedKVCache(DeviceKVCache):
         """Take the members' current bounds (acknowledgements tighten them); whether ``new_rows``
         more still fit the buffer, so the stack can serve another step as it is."""
         self.bound = max(c.bound for c in self.members)
+        self._unsettled.clear()  # the stack's own write counts: its members keep the ones that matter
         return self.bound + new_rows <= self.capacity
 
 
