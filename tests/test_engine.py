@@ -211,14 +211,17 @@ def test_seeded_sampling_gives_the_same_output_in_both_modes(tiny_llama: LoadedM
 
 
 def _run_concurrently(engine: Engine, prompts: list[list[int]], params: list[GenerationParams]) -> Any:
+    """All prompts at once on the engine; each must finish without an error, and none may hang."""
     async def main() -> dict[int, list[int]]:
         results: dict[int, list[int]] = {}
 
         async def one(i: int) -> None:
-            results[i] = (await collect(engine, prompts[i], params[i]))[0]
+            ids, last = await collect(engine, prompts[i], params[i])
+            assert last.finish_reason != "error", last.error
+            results[i] = ids
 
-        async with engine:
-            async with anyio.create_task_group() as tg:
+        with anyio.fail_after(120):
+            async with engine, anyio.create_task_group() as tg:
                 for i in range(len(prompts)):
                     tg.start_soon(one, i)
         return results
@@ -336,37 +339,20 @@ def test_a_request_cancelled_while_its_admit_is_still_queued_leaves_no_state(
 
 
 def test_a_failed_batched_step_is_retried_per_request_from_the_same_state(
-        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first batched draft fails after newcomers' context went in: the retry must start from before it."""
     params = GenerationParams(max_tokens=16, block_size=4)
+    real_hidden, failed = tiny_drafter.hidden, []
 
-    async def main() -> dict[int, list[int]]:
-        results: dict[int, list[int]] = {}
-        async with Engine(tiny_llama, tiny_drafter) as engine:
-            drafter = engine.drafter_actor.drafter
-            real_hidden, failed = drafter.hidden, []
+    def flaky_hidden(block: Any, *args: Any, **kwargs: Any) -> Any:
+        if block.shape[0] > 1 and not failed:
+            failed.append(block.shape[0])
+            raise RuntimeError("injected failure of a batched draft")
+        return real_hidden(block, *args, **kwargs)
 
-            def flaky_hidden(block: Any, *args: Any, **kwargs: Any) -> Any:
-                if block.shape[0] > 1 and not failed:
-                    failed.append(block.shape[0])
-                    raise RuntimeError("injected failure of a batched draft")
-                return real_hidden(block, *args, **kwargs)
-
-            drafter.hidden = flaky_hidden  # type: ignore[method-assign]
-
-            async def one(i: int) -> None:
-                ids, last = await collect(engine, PROMPTS[i], params)
-                assert last.finish_reason != "error", last.error
-                results[i] = ids
-
-            with anyio.fail_after(60):
-                async with anyio.create_task_group() as tg:
-                    for i in range(4):
-                        tg.start_soon(one, i)
-            assert failed, "no batched draft happened"
-        return results
-
-    results = run(main)
+    monkeypatch.setattr(tiny_drafter, "hidden", flaky_hidden)
+    results = run(_run_concurrently(Engine(tiny_llama, tiny_drafter), PROMPTS[:4], [params] * 4))
+    assert failed, "no batched draft happened"
     for i in range(4):
         assert results[i] == plain(tiny_llama, PROMPTS[i], params)
 
@@ -439,22 +425,7 @@ def test_a_failed_verify_on_a_kept_stack_is_retried_per_request_from_the_same_st
 
     monkeypatch.setattr(StackedKVCache, "advance", flaky_advance)
     engine = Engine(tiny_llama, tiny_drafter)
-
-    async def main() -> dict[int, list[int]]:
-        results: dict[int, list[int]] = {}
-        async with engine:
-            async def one(i: int) -> None:
-                ids, last = await collect(engine, PROMPTS[i], params)
-                assert last.finish_reason != "error", last.error
-                results[i] = ids
-
-            with anyio.fail_after(60):
-                async with anyio.create_task_group() as tg:
-                    for i in range(4):
-                        tg.start_soon(one, i)
-        assert failed and len(seen) > failed[0], "no failure on a kept stack, or nothing after it"
-        return results
-
-    results = run(main)
+    results = run(_run_concurrently(engine, PROMPTS[:4], [params] * 4))
+    assert failed and len(seen) > failed[0], "no failure on a kept stack, or nothing after it"
     for i in range(4):
         assert results[i] == plain(tiny_llama, PROMPTS[i], params)
