@@ -74,17 +74,28 @@ def time_step(step: Step, caches: Sequence[DeviceKVCache], reps: int) -> dict[st
     for _ in range(reps):
         mx.eval(*call())
     synced = (time.perf_counter() - start) / reps
+    host, queued = queue_calls(call, reps)
+    return {"ops": ops, "first_ms": _ms(first), "synced_ms": _ms(synced), "host_ms": _ms(host), "queued_ms": _ms(queued)}
+
+
+def queue_calls(call: Step, reps: int, wait: bool = False,
+                after: Callable[[int], None] = lambda i: None) -> tuple[float, float]:
+    """``reps`` calls, each queued with ``mx.async_eval`` and then ``after(i)``; waited for one by
+    one (``wait``) or all at the end. Seconds per call: building and queueing it, and in all."""
     host, pending = 0.0, []
     start = time.perf_counter()
-    for _ in range(reps):
+    for i in range(reps):
         t = time.perf_counter()
         outputs = call()
         mx.async_eval(*outputs)
         host += time.perf_counter() - t
-        pending.append(outputs)
+        after(i)
+        if wait:
+            mx.eval(*outputs)
+        else:
+            pending.append(outputs)
     mx.eval(*[o for outputs in pending for o in outputs])
-    queued = (time.perf_counter() - start) / reps
-    return {"ops": ops, "first_ms": _ms(first), "synced_ms": _ms(synced), "host_ms": _ms(host / reps), "queued_ms": _ms(queued)}
+    return host / reps, (time.perf_counter() - start) / reps
 
 
 def _ms(seconds: float) -> float:
@@ -156,24 +167,15 @@ def chained(step: Step, caches: Sequence[DeviceKVCache], length: int, reps: int,
     if the queued chain costs the host more per step than the waited one, that is why.
     """
     saved = [c.snapshot() for c in caches]
-    host, pending = 0.0, []
-    start = time.perf_counter()
-    for i in range(reps):
-        t = time.perf_counter()
-        outputs = step()
-        mx.async_eval(*outputs)
-        host += time.perf_counter() - t
+
+    def settle(i: int) -> None:  # each step kept one row: the host knows the length without reading it
         for cache in caches:
             cache.settle(length + i + 1)
-        if wait:
-            mx.eval(*outputs)
-        else:
-            pending.append(outputs)
-    mx.eval(*[o for outputs in pending for o in outputs])
-    per_step = (time.perf_counter() - start) / reps
+
+    host, per_step = queue_calls(step, reps, wait, settle)
     for cache, state in zip(caches, saved):
         cache.restore(state)
-    return {"host_ms": _ms(host / reps), "per_step_ms": _ms(per_step)}
+    return {"host_ms": _ms(host), "per_step_ms": _ms(per_step)}
 
 
 def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int, block: int, top: int) -> dict[str, Any]:
