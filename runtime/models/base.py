@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import DeviceKVCache, KVCache, adopt_arrays, cache_arrays, traced_caches
+from ..cache import DeviceKVCache, KVCache, cache_arrays, traced_caches
 from .steps import CompiledSteps, default_compile_steps, traceable
 
 
@@ -291,14 +291,9 @@ class DecoderModel(nn.Module):
         return self._forward(tokens, cache, tap_layers, last_only, logits_row)
 
     def _compiled_forward(self, tokens: mx.array, cache: Sequence[DeviceKVCache], tap_layers: tuple[int, ...]) -> ForwardOutput:
-        n = tokens.shape[1]
-        for layer in cache:
-            layer.reserve(n)
-        extent = cache[0].capacity  # the whole buffer under the mask: one trace per buffer size, not per bucket
-        step = self._steps.get((extent, tap_layers), lambda: partial(self._traced_forward, extent=extent, tap_layers=tap_layers))
-        outputs = step(tokens, cache_arrays(cache))
-        adopt_arrays(cache, outputs[2:], n)
-        return ForwardOutput(outputs[0], outputs[1] if tap_layers else None)
+        logits, taps = self._steps.run(cache, tokens.shape[1], tap_layers, lambda extent: partial(
+            self._traced_forward, extent=extent, tap_layers=tap_layers), tokens)
+        return ForwardOutput(logits, taps if tap_layers else None)
 
     def _traced_forward(self, tokens: mx.array, arrays: list[mx.array], *, extent: int,
                         tap_layers: tuple[int, ...]) -> list[mx.array]:

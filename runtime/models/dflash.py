@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import DeviceKVCache, KVCache, adopt_arrays, bucketed, cache_arrays, traced_caches
+from ..cache import DeviceKVCache, KVCache, bucketed, cache_arrays, traced_caches
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from .base import MLP, DecoderModel, RoPE
 from .steps import CompiledSteps, default_compile_steps, traceable
@@ -313,15 +313,11 @@ class DFlashDrafter(nn.Module):
     def _compiled_hidden(self, block: mx.array, ctx_features: mx.array | None, cache: Sequence[DeviceKVCache],
                          keep: mx.array | None, block_lens: mx.array | None) -> mx.array:
         rows = ctx_features.shape[1] if ctx_features is not None else 0
-        for layer in cache:
-            layer.reserve(rows)
-        extent = cache[0].capacity  # the whole buffer under the mask: one trace per buffer size, not per bucket
         optional = (ctx_features if rows else None, keep, block_lens)
         present = tuple(x is not None for x in optional)
-        step = self._steps.get((extent, present), lambda: partial(self._traced_hidden, extent=extent, present=present))
-        outputs = step([block, *(x for x in optional if x is not None)], cache_arrays(cache))
-        adopt_arrays(cache, outputs[1:], rows)
-        return outputs[0]
+        (hidden,) = self._steps.run(cache, rows, present, lambda extent: partial(
+            self._traced_hidden, extent=extent, present=present), [block, *(x for x in optional if x is not None)])
+        return hidden
 
     def _traced_hidden(self, inputs: list[mx.array], arrays: list[mx.array], *, extent: int,
                        present: tuple[bool, ...]) -> list[mx.array]:

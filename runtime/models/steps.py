@@ -17,7 +17,7 @@ from typing import Callable, Hashable, Sequence
 
 import mlx.core as mx
 
-from ..cache import DeviceKVCache
+from ..cache import DeviceKVCache, adopt_arrays, cache_arrays
 
 Step = Callable[..., list[mx.array]]
 
@@ -43,3 +43,19 @@ class CompiledSteps:
         if step is None:
             step = self._steps[configuration] = mx.compile(make())
         return step
+
+    def run(self, caches: Sequence[DeviceKVCache], rows: int, configuration: Hashable,
+            make: Callable[[int], Step], *inputs: object) -> list[mx.array]:
+        """One step over ``caches`` that writes ``rows`` rows to each: the buffers grow first (never
+        inside a trace), then the step traced for the buffer size runs (``make(extent)`` builds
+        it: attention reads the whole buffer under the mask, so a trace serves every round until
+        the buffer grows). The step returns its results then ``cache_arrays``; the caches adopt
+        theirs, the results come back."""
+        for layer in caches:
+            layer.reserve(rows)
+        extent = caches[0].capacity
+        step = self.get((extent, configuration), lambda: make(extent))
+        outputs = step(*inputs, cache_arrays(caches))
+        results = len(outputs) - 3 * len(caches)
+        adopt_arrays(caches, outputs[results:], rows)
+        return outputs[:results]
