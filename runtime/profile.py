@@ -7,7 +7,8 @@ as the verifier runs it), the draft forward (the drafter over its device cache, 
 drafter actor runs it), a whole round (draft then verify of its drafts) and a one-token
 target forward (plain decoding), it reports:
 
-- ``ops``: primitives in the step's graph (each one is a kernel launch or a view);
+- ``ops``: primitives in the step's graph (each one is a kernel launch or a view), and
+  ``top_ops`` the most frequent of them by name;
 - ``first_ms``: the first call, synced (includes kernel builds for new shapes);
 - ``synced_ms``: build, queue and wait, per call (what a sequential loop pays);
 - ``host_ms``: build and queue alone, per call (what the host pays while the device runs);
@@ -28,7 +29,9 @@ import argparse
 import cProfile
 import io
 import pstats
+import re
 import time
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import anyio
@@ -47,13 +50,14 @@ from .models.dflash import DFlashDrafter
 from .models.steps import default_compile_steps
 
 Step = Callable[[], Sequence[mx.array]]
+TOP_OPS = 12
 
 
-def count_ops(outputs: Sequence[mx.array]) -> int:
-    """Primitives in the lazy graph of ``outputs`` (read from MLX's dot export)."""
+def op_counts(outputs: Sequence[mx.array]) -> Counter[str]:
+    """Primitives in the lazy graph of ``outputs``, by name (read from MLX's dot export)."""
     dot = io.StringIO()
     mx.export_to_dot(dot, *outputs)
-    return dot.getvalue().count("shape=rectangle")
+    return Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
 
 
 def time_step(step: Step, caches: Sequence[DeviceKVCache], reps: int) -> dict[str, float]:
@@ -66,7 +70,7 @@ def time_step(step: Step, caches: Sequence[DeviceKVCache], reps: int) -> dict[st
             cache.restore(state)
         return outputs
 
-    ops = count_ops(call())
+    ops = op_counts(call())
     start = time.perf_counter()
     mx.eval(*call())
     first = time.perf_counter() - start
@@ -75,7 +79,7 @@ def time_step(step: Step, caches: Sequence[DeviceKVCache], reps: int) -> dict[st
         mx.eval(*call())
     synced = (time.perf_counter() - start) / reps
     host, queued = queue_calls(call, reps)
-    return {"ops": ops, "first_ms": _ms(first), "synced_ms": _ms(synced), "host_ms": _ms(host), "queued_ms": _ms(queued)}
+    return {"ops": sum(ops.values()), "top_ops": dict(ops.most_common(TOP_OPS)), "first_ms": _ms(first), "synced_ms": _ms(synced), "host_ms": _ms(host), "queued_ms": _ms(queued)}
 
 
 def queue_calls(call: Step, reps: int, wait: bool = False,
