@@ -5,11 +5,11 @@
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round)
 and ``pipelined`` (round N+1 queued before round N is read) modes; ``dflash`` in the
-JSON is the pipelined engine. Each prompt runs once per mode after a warm-up
-(first-run kernel compilation is not timed; the engines' warm-up decodes the shortest and
-the longest prompt to the full length, so the compiled steps of every buffer size the
-timed runs reach are traced before any mode is timed, not during the first mode's run). Reported: decode tokens/s (after the first
-token), time to first token, mean acceptance length tau, acceptance per block position,
+JSON is the pipelined engine. After a warm-up (kernel builds and compiled-step traces are
+not timed), each prompt runs through every mode back to back before the next prompt, and
+the whole set ``--repeat`` times: the modes share the machine's slow and fast phases, so
+their ratios hold even where absolute timings drift. Reported per mode, over all its runs
+and per run: decode tokens/s (after the first token), time to first token, mean acceptance length tau, acceptance per block position,
 GPU idle time between rounds, the speedup over plain decoding, and whether every output
 equals plain greedy. ``--log`` appends the engine runs' round logs (both modes) to PATH,
 for ``python -m runtime.replay``.
@@ -103,11 +103,6 @@ async def run_engine(target: LoadedModel, drafter: DFlashDrafter, prompts: list[
         return results
 
 
-def median_run(runs: list[list[tuple[list[int], TokenEvent]]]) -> list[tuple[list[int], TokenEvent]]:
-    """The run whose tokens/s is the median of the repeats (the upper one of an even count)."""
-    return sorted(runs, key=lambda r: engine_summary(r)["tokens_per_s"])[len(runs) // 2]
-
-
 def engine_summary(results: list[tuple[list[int], TokenEvent]]) -> dict[str, Any]:
     decode = sum(e.timings["decode_s"] for _, e in results)
     tokens = sum(max(0, len(t) - 1) for t, _ in results)
@@ -130,47 +125,82 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
     """Every mode on every prompt; with no drafter, plain decoding alone; without ``engine``,
     plain decoding and the reference loop (tau and exactness, quickly on a CPU)."""
     ids = [p for _, p in prompts]
-    warm = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, 24))
-    run_plain(target, ids[0], warm)
-    plain_results = [run_plain(target, p, params) for p in ids]
+    warm_up(target, drafter, ids, params, engine)
+    runs = timed_runs(target, drafter, ids, params, repeat, engine, log)
+    plain = runs.pop("plain")
     report: dict[str, Any] = {
         "device": str(mx.default_device()), "dtype": target.compute_dtype, "quantized": target.quantized,
-        "max_tokens": params.max_tokens, "prompts": len(prompts), "plain": aggregate(plain_results),
+        "max_tokens": params.max_tokens, "prompts": len(prompts), "repeat": repeat,
+        "plain": {**aggregate(pooled(plain)), "runs_tokens_per_s": [aggregate(run)["tokens_per_s"] for run in plain]},
     }
     if drafter is not None:
-        report.update(bench_dflash(target, drafter, ids, params, warm, [r.token_ids for r in plain_results], log, engine, repeat))
+        report.update(dflash_report(drafter, params, runs, [r.token_ids for r in plain[0]]))
         fastest = report["dflash" if engine else "reference"]["tokens_per_s"]
         report["speedup"] = round(fastest / (report["plain"]["tokens_per_s"] or 1.0), 3)
     return report
 
 
-def bench_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[list[int]], params: GenerationParams,
-                 warm: GenerationParams, want: list[list[int]], log: Path | None = None,
-                 engine: bool = True, repeat: int = 1) -> dict[str, Any]:
+def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
+            engine: bool) -> None:
+    """Build every kernel and compiled step the timed runs need, so no mode pays for them.
+
+    The engines decode the shortest and the longest prompt to the full length, so the
+    compiled steps of every buffer size the timed runs reach are traced beforehand.
+    """
+    warm = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, 24))
+    run_plain(target, ids[0], warm)
+    if drafter is None:
+        return
     run_dflash(target, drafter, ids[0], warm)
     if engine:
         for mode in MODES:
             anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
         anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, "sequential")
-    reference = [run_dflash(target, drafter, p, params) for p in ids]
-    runs: dict[str, list[list[tuple[list[int], TokenEvent]]]] = {mode: [] for mode in MODES} if engine else {}
-    for _ in range(repeat):  # modes alternate, so slow phases of the machine fall on both
-        for mode, done in runs.items():
-            done.append(anyio.run(run_engine, target, drafter, ids, params, mode, log))
-    engines = {mode: median_run(done) for mode, done in runs.items()}
-    outputs = {"reference": [r.token_ids for r, _ in reference], **{m: [t for t, _ in res] for m, res in engines.items()}}
-    exact = {mode: got == want for mode, got in outputs.items()}
-    # in half precision a block verify and one-token forwards round differently, so near-ties
+
+
+def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
+               repeat: int, engine: bool, log: Path | None) -> dict[str, list[list[Any]]]:
+    """Each mode's results, per repeat and prompt. Every prompt goes through all the modes back
+    to back before the next prompt starts: a slow phase of the machine (host timings on the GPU
+    machine drift by tens of percent within seconds) then falls on every mode alike."""
+    modes = ["plain"] + (["reference"] if drafter is not None else []) + (list(MODES) if drafter is not None and engine else [])
+    runs: dict[str, list[list[Any]]] = {mode: [[] for _ in range(repeat)] for mode in modes}
+    for r in range(repeat):
+        for prompt in ids:
+            runs["plain"][r].append(run_plain(target, prompt, params))
+            if drafter is None:
+                continue
+            runs["reference"][r].append(run_dflash(target, drafter, prompt, params))
+            for mode in MODES if engine else ():
+                runs[mode][r] += anyio.run(run_engine, target, drafter, [prompt], params, mode, log)
+    return runs
+
+
+def pooled(runs: list[list[Any]]) -> list[Any]:
+    return [result for run in runs for result in run]
+
+
+def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[str, list[list[Any]]],
+                  want: list[list[int]]) -> dict[str, Any]:
+    """Tokens/s of each mode over all its runs (and per run), tau, round costs and exactness."""
+    reference = runs.pop("reference")
+    outputs = {"reference": [[r.token_ids for r, _ in run] for run in reference],
+               **{mode: [[t for t, _ in run] for run in done] for mode, done in runs.items()}}
+    # a prompt counts as equal when every repeat of the mode gave plain greedy's output; in
+    # half precision a block verify and one-token forwards round differently, so near-ties
     # may flip: how many outputs still equal plain greedy says how often
-    equal = {mode: sum(g == w for g, w in zip(got, want)) for mode, got in outputs.items()}
+    equal = {mode: sum(all(run[i] == w for run in got) for i, w in enumerate(want)) for mode, got in outputs.items()}
+    exact = {mode: n == len(want) for mode, n in equal.items()}
     block = block_size_for(drafter, params)
-    merged = SpeculativeStats([r for _, s in reference for r in s.rounds])
-    ref = {**aggregate([r for r, _ in reference]), **merged.summary(block), "round_parts_ms": round_costs_ms([s for _, s in reference])}
+    merged = SpeculativeStats([r for _, s in pooled(reference) for r in s.rounds])
+    ref = {**aggregate([r for r, _ in pooled(reference)]), **merged.summary(block),
+           "round_parts_ms": round_costs_ms([s for _, s in pooled(reference)]),
+           "runs_tokens_per_s": [aggregate([r for r, _ in run])["tokens_per_s"] for run in reference]}
     report = {"block_size": block, "reference": ref, "exact": all(exact.values()), "exact_per_mode": exact,
               "equal_outputs_per_mode": equal}
-    if engines:
-        modes = {mode: {**engine_summary(res), "runs_tokens_per_s": [engine_summary(r)["tokens_per_s"] for r in runs[mode]]}
-                 for mode, res in engines.items()}
+    if runs:
+        modes = {mode: {**engine_summary(pooled(done)), "runs_tokens_per_s": [engine_summary(r)["tokens_per_s"] for r in done]}
+                 for mode, done in runs.items()}
         dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
         report.update(sequential=modes["sequential"], dflash=dflash, pipelined_over_sequential=round(
             dflash["tokens_per_s"] / (modes["sequential"]["tokens_per_s"] or 1.0), 3))
@@ -207,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--log", type=Path, help="append the engine runs' round logs (JSON lines) to this file")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="run the engine modes this many times, alternating; each reports its median run")
+                        help="run every mode this many times over the prompts; each reports all its runs pooled, and each run")
     parser.add_argument("--no-engine", action="store_true",
                         help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")
     return parser.parse_args(argv)
