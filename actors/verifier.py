@@ -40,6 +40,7 @@ from runtime.cache import (
     ATTENTION_BUCKET,
     DeviceKVCache,
     StackedKVCache,
+    advance_layers,
     restored_on_failure,
     round_up,
     stack_layers,
@@ -167,8 +168,8 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         assert out.taps is not None
         first = request.sampler.sample(out.logits[:, -1])[0].astype(mx.int32)
         prompt_len = mx.array(n, dtype=mx.int32)
+        advance_layers(request.cache, prompt_len)
         for layer in request.cache:
-            layer.advance(prompt_len)
             layer.settle(n)
         zero = mx.array([0], dtype=mx.int32)
         readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1)])
@@ -203,8 +204,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
                                        [r.sampler for r in requests])
             keep = verdict.accepted + 1
             kept = mx.concatenate([keep, mx.zeros((rows - n,), dtype=mx.int32)]) if rows > n else keep
-            for layer in caches:
-                layer.advance(kept if rows > 1 else kept[0])
+            advance_layers(caches, kept if rows > 1 else kept[0])
             kv_after = caches[0].length.reshape(-1)[:n]
         readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, verdict.target_tokens])
         for row, (request, message, block) in enumerate(zip(requests, rounds, blocks)):

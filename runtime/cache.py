@@ -204,6 +204,17 @@ class DeviceKVCache:
         return other
 
 
+def advance_layers(caches: Sequence[DeviceKVCache], n: mx.array | int) -> None:
+    """Keep ``n`` of the positions just written in every layer's cache.
+
+    The layers of a model's cache were all written the same rows, so they share one valid
+    length: one device add for the model instead of one per layer (each op costs host time).
+    """
+    caches[0].advance(n)
+    for cache in caches[1:]:
+        cache.length = caches[0].length
+
+
 class TracedKVCache(DeviceKVCache):
     """A device cache inside a compiled step: buffers and length are the step's inputs.
 

@@ -40,7 +40,7 @@ import mlx.core as mx
 from protocol import GenerationParams
 
 from .bench import run_engine
-from .cache import DeviceKVCache
+from .cache import DeviceKVCache, advance_layers
 from .cli import add_model_arguments, print_json, run_cli
 from .defaults import default_model_path
 from .drafters import resolve_drafter
@@ -50,7 +50,7 @@ from .models.dflash import DFlashDrafter
 from .models.steps import default_compile_steps
 
 Step = Callable[[], Sequence[mx.array]]
-TOP_OPS = 12
+TOP_OPS = 40
 
 
 def op_counts(outputs: Sequence[mx.array]) -> Counter[str]:
@@ -119,8 +119,7 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
     target_cache, drafter_cache = model.make_device_cache(), drafter.make_device_cache()
     out = model(mx.array([ids]), target_cache, tap_layers=drafter.tap_layers, logits_row=len(ids) - 1)
     n = mx.array(len(ids), dtype=mx.int32)
-    for layer in target_cache:
-        layer.advance(n)
+    advance_layers(target_cache, n)
     drafter.write_context(out.taps, drafter_cache, n)
     mx.eval(out.logits, out.taps, *[c.keys for c in target_cache + drafter_cache])
     for layer in target_cache + drafter_cache:
@@ -136,8 +135,7 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
 
     def verify(drafts: mx.array) -> Sequence[mx.array]:
         result = model(mx.concatenate([anchor, drafts.reshape(-1)])[None], target_cache, tap_layers=drafter.tap_layers)
-        for layer in target_cache:
-            layer.advance(1)
+        advance_layers(target_cache, 1)
         assert result.taps is not None
         return [mx.argmax(result.logits, axis=-1), result.taps, target_cache[0].length]
 

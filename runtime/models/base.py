@@ -149,10 +149,12 @@ class Attention(nn.Module):
         q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
         if "qkv_proj" in self:
             qkv = self._heads(self.qkv_proj(x), self.n_heads + 2 * self.n_kv_heads).transpose(0, 2, 1, 3)
+            # one split, not a slice per part: on a GPU every op costs host time
             if "q_norm" not in self:  # q and k heads sit side by side at the same positions: one RoPE
-                qk = self.rope(qkv[:, :k_end], offset)
-                return qk[:, :q_end], qk[:, q_end:], qkv[:, k_end:]
-            q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+                qk, v = mx.split(qkv, [k_end], axis=1)
+                q, k = mx.split(self.rope(qk, offset), [q_end], axis=1)
+                return q, k, v
+            q, k, v = mx.split(qkv, [q_end, k_end], axis=1)
         else:
             q, k, v = (self._heads(proj(x), n).transpose(0, 2, 1, 3) for proj, n in (
                 (self.q_proj, self.n_heads), (self.k_proj, self.n_kv_heads), (self.v_proj, self.n_kv_heads)))
@@ -192,8 +194,7 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
-            both = self.gate_up_proj(x)
-            gate, up = both[..., : self.intermediate], both[..., self.intermediate :]
+            gate, up = mx.split(self.gate_up_proj(x), [self.intermediate], axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(nn.silu(gate) * up)

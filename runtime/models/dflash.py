@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import DeviceKVCache, KVCache, bucketed, cache_arrays, traced_caches
+from ..cache import DeviceKVCache, KVCache, advance_layers, bucketed, cache_arrays, traced_caches
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from .base import MLP, DecoderModel, RoPE
 from .steps import CompiledSteps, default_compile_steps, traceable
@@ -204,13 +204,12 @@ class DrafterAttention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
-    def add_context(self, h_ctx: mx.array, cache: KVCache | DeviceKVCache, keep: mx.array | None) -> None:
-        """New context rows into the cache; with a device cache only ``keep`` of them become valid."""
+    def add_context(self, h_ctx: mx.array, cache: KVCache | DeviceKVCache) -> None:
+        """New context rows into the cache (a device cache's valid length advances after every layer's write)."""
         if isinstance(cache, KVCache):
             cache.update_and_fetch(*self.context_kv(h_ctx, cache.offset))
             return
         cache.write(*self.context_kv(h_ctx, cache.length))
-        cache.advance(keep if keep is not None else h_ctx.shape[1])
 
     def mask(self, cache: KVCache | DeviceKVCache, block_len: int, block_lens: mx.array | None) -> mx.array | None:
         """This layer kind's block mask over the cache's context (the same for every layer's cache)."""
@@ -349,7 +348,9 @@ class DFlashDrafter(nn.Module):
         """Only the context part of ``hidden``: the new rows enter every layer's cache."""
         h_ctx = self.context_features(ctx_features)
         for layer, layer_cache in zip(self.layers, cache):
-            layer.self_attn.add_context(h_ctx, layer_cache, keep)
+            layer.self_attn.add_context(h_ctx, layer_cache)
+        if cache and isinstance(cache[0], DeviceKVCache):
+            advance_layers(cache, keep if keep is not None else h_ctx.shape[1])  # type: ignore[arg-type]
 
     def training_hidden(self, blocks: mx.array, anchors: mx.array, ctx_features: mx.array, mask: mx.array) -> mx.array:
         """Post-norm hidden ``[b, n*B, H]`` of n blocks per sequence, all in one forward.
