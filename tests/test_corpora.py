@@ -196,3 +196,37 @@ def test_export_caps_each_source_and_keeps_only_humaneval_shaped_code(tmp_path: 
     texts = [p.text or "" for p in file_prompts(tmp_path / "out.jsonl")]
     assert counts["pkg:anyio"] == len(texts) == 5 and counts["skipped: over the per-source cap"] > 0
     assert all(len(t) <= 600 or ">>>" in t for t in texts)
+
+
+# ---------------------------------------------------------------- questions
+
+
+def test_python_questions_ask_about_documented_public_stdlib_names() -> None:
+    import sysconfig
+
+    from runtime.training.corpora import python_questions
+
+    prompts = python_questions()
+    questions = [p.messages[0][1] for p in prompts]
+    assert len(prompts) > 500 and all(p.source == "ask-python" and len(p.messages) == 1 for p in prompts)
+    assert "How do I use `textwrap.dedent` in Python?" in questions  # a documented function
+    assert "What is `collections.OrderedDict` in Python, and how do I use it?" in questions  # a package's class
+    assert "What is the Python module `json` for?" in questions
+    assert not any("`_" in q or "._" in q for q in questions), "private names are not asked about"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert "How do I use `textwrap.indent` in Python?" in questions and "def indent" in (stdlib / "textwrap.py").read_text()
+
+
+def test_world_questions_fill_the_templates_with_the_analogy_pairs_and_summarise_the_news() -> None:
+    from runtime.training.corpora import WORD_QUESTIONS, package_file, world_questions
+
+    try:
+        analogies = package_file("gensim", "gensim/test/test_data/questions-words.txt").read_text(encoding="utf-8")
+    except (DataError, OSError):
+        pytest.skip("gensim's test data is not installed")
+    questions = [p.messages[0][1] for p in world_questions()]
+    assert "What is the capital of Greece?" in questions and "What currency is used in Algeria?" in questions
+    assert sum(q.startswith("Summarize this news story") for q in questions) > 200
+    assert not any("{" in q or "}" in q for q in questions if not q.startswith("Summarize"))
+    sections = {line[1:].strip() for line in analogies.splitlines() if line.startswith(":")}
+    assert sections == set(WORD_QUESTIONS), "every section of the analogy list has its questions"

@@ -268,6 +268,72 @@ def package_prompts(distribution: str) -> list[Prompt]:
     return list(prompts)
 
 
+# ---------------------------------------------------------------- questions (chat)
+
+# what a user asks about each pair of gensim's analogy list (section -> templates over the pair)
+WORD_QUESTIONS: dict[str, tuple[str, ...]] = {
+    "capital-common-countries": ("What is the capital of {1}?", "Tell me about {0}, the capital of {1}."),
+    "capital-world": ("What is the capital of {1}?", "What is {0} known for?"),
+    "currency": ("What currency is used in {0}?", "Tell me about the {1}."),
+    "city-in-state": ("Which US state is {0} in?", "What is {0}, {1} known for?"),
+    "family": ("What is the difference between a {0} and a {1}?",),
+    "gram1-adjective-to-adverb": ("Use the word '{1}' in a sentence.",),
+    "gram2-opposite": ("What is the opposite of '{0}'?", "What does '{1}' mean?"),
+    "gram3-comparative": ("When do I say '{1}' instead of '{0}'?",),
+    "gram4-superlative": ("Write a sentence with the word '{1}'.",),
+    "gram5-present-participle": ("How do I get better at {1}?",),
+    "gram6-nationality-adjective": ("Tell me about {0}.", "What is {1} food like?"),
+    "gram7-past-tense": ("What is the past tense of '{0}'?",),
+    "gram8-plural": ("Tell me something interesting about {1}.",),
+    "gram9-plural-verbs": ("Explain the word '{0}' to a child.",),
+}
+
+
+def python_questions() -> list[Prompt]:
+    """Questions a user asks an assistant about the running Python's stdlib: what each documented
+    public module is for, how to use each documented public function and class."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    modules = [(p.stem, p) for p in root.glob("*.py")] + [(p.parent.name, p) for p in root.glob("*/__init__.py")]
+    prompts: dict[Prompt, None] = {}
+    for name, path in sorted(modules):
+        if name.startswith("_") or name in STDLIB_SKIP_DIRS:
+            continue
+        try:
+            tree = parse_code(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        if ast.get_docstring(tree):
+            prompts[user_prompt("ask-python", f"What is the Python module `{name}` for?")] = None
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                    or node.name.startswith("_") or not ast.get_docstring(node):
+                continue
+            question = (f"What is `{name}.{node.name}` in Python, and how do I use it?" if isinstance(node, ast.ClassDef)
+                        else f"How do I use `{name}.{node.name}` in Python?")
+            prompts[user_prompt("ask-python", question)] = None
+    return list(prompts)
+
+
+def world_questions() -> list[Prompt]:
+    """Everyday questions from gensim's test data: about places, currencies and words (its
+    analogy list's pairs, through WORD_QUESTIONS), and summaries of its news stories."""
+    folder = package_file("gensim", "gensim/test/test_data")
+    prompts: dict[Prompt, None] = {}
+    section = ""
+    for line in (folder / "questions-words.txt").read_text(encoding="utf-8").splitlines():
+        if line.startswith(":"):
+            section = line[1:].strip()
+            continue
+        words = line.split()
+        for pair in (words[:2], words[2:]):
+            for template in WORD_QUESTIONS.get(section, ()):
+                prompts[user_prompt("ask-world", template.format(*pair))] = None
+    for story in (folder / "lee_background.cor").read_text(encoding="utf-8").splitlines():
+        if story.strip():
+            prompts[user_prompt("ask-world", f"Summarize this news story in a few sentences:\n\n{story.strip()}")] = None
+    return list(prompts)
+
+
 # ---------------------------------------------------------------- files
 
 
@@ -318,6 +384,7 @@ def file_prompts(path: Path) -> list[Prompt]:
 
 NAMED_SOURCES: dict[str, Callable[[], list[Prompt]]] = {
     "code": code_prompts, "code-def": code_def_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
+    "ask-python": python_questions, "ask-world": world_questions,
 }
 SOURCE_NAMES = ("gsm", *NAMED_SOURCES, f"{PACKAGE_PREFIX}DIST")  # as --data's help lists them
 
