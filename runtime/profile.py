@@ -16,8 +16,9 @@ target forward (plain decoding), it reports:
   when it is close to ``host_ms`` the step is bound by the host, not the device).
 
 Every repetition starts from the same cache state, so all run at the same shapes; the
-``verify_chain_*`` rows instead run verifies one after another on the live caches, waited
-for or queued, to show what updating buffers still in flight costs. Then
+``verify_chain_*`` rows instead run verifies one after another on the live caches: each
+waited for (as sequential rounds are), the previous one read while the next is queued (as
+pipelined rounds are), or all queued, to show what waits and buffers still in flight cost. Then
 the actor engine runs one request in each mode under cProfile, and the functions with
 the most own time are listed: the host's share of a round, by function. ``--compile both``
 (the default) measures everything with eager and with compiled steps (runtime.models.steps).
@@ -82,10 +83,12 @@ def time_step(step: Step, caches: Sequence[DeviceKVCache], reps: int) -> dict[st
     return {"ops": sum(ops.values()), "top_ops": dict(ops.most_common(TOP_OPS)), "first_ms": _ms(first), "synced_ms": _ms(synced), "host_ms": _ms(host), "queued_ms": _ms(queued)}
 
 
-def queue_calls(call: Step, reps: int, wait: bool = False,
+def queue_calls(call: Step, reps: int, lag: int | None = None,
                 after: Callable[[int], None] = lambda i: None) -> tuple[float, float]:
-    """``reps`` calls, each queued with ``mx.async_eval`` and then ``after(i)``; waited for one by
-    one (``wait``) or all at the end. Seconds per call: building and queueing it, and in all."""
+    """``reps`` calls, each queued with ``mx.async_eval`` and then ``after(i)``. With ``lag`` k, once
+    call i is queued the host reads call i-k's outputs (k=0: waits for each call, as sequential
+    rounds do; k=1: reads the previous one while this one is queued, as pipelined rounds do);
+    without, all are waited for at the end. Seconds per call: building and queueing it, and in all."""
     host, pending = 0.0, []
     start = time.perf_counter()
     for i in range(reps):
@@ -94,10 +97,9 @@ def queue_calls(call: Step, reps: int, wait: bool = False,
         mx.async_eval(*outputs)
         host += time.perf_counter() - t
         after(i)
-        if wait:
-            mx.eval(*outputs)
-        else:
-            pending.append(outputs)
+        pending.append(outputs)
+        if lag is not None and i >= lag:
+            mx.eval(*pending[i - lag])
     mx.eval(*[o for outputs in pending for o in outputs])
     return host / reps, (time.perf_counter() - start) / reps
 
@@ -156,17 +158,20 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
         "draft": time_step(draft, drafter_cache, reps),
         "round": time_step(lambda: verify(draft()[0]), both, reps),
         "plain_token": time_step(plain, [], reps),
-        "verify_chain_waited": chained(lambda: verify(drafts), target_cache, len(ids), reps, wait=True),
-        "verify_chain_queued": chained(lambda: verify(drafts), target_cache, len(ids), reps, wait=False),
+        "verify_chain_waited": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=0),
+        "verify_chain_read_previous": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=1),
+        "verify_chain_queued": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=None),
     }
 
 
-def chained(step: Step, caches: Sequence[DeviceKVCache], length: int, reps: int, wait: bool) -> dict[str, float]:
-    """Steps one after another on the live caches, each keeping one row, waiting for each (as
-    sequential rounds do) or not (as pipelined rounds do).
+def chained(step: Step, caches: Sequence[DeviceKVCache], length: int, reps: int, lag: int | None) -> dict[str, float]:
+    """Steps one after another on the live caches, each keeping one row, read as ``queue_calls``'s
+    ``lag`` says: each waited for (sequential rounds), the previous one read while the next is
+    queued (pipelined rounds), or none until the end.
 
     A buffer that a step still in flight holds cannot be updated in place, so MLX copies it:
-    if the queued chain costs the host more per step than the waited one, that is why.
+    if the queued chain costs the host more per step than the waited one, that is why. If
+    reading the previous step costs the host as much as waiting for each, the reads do.
     """
     saved = [c.snapshot() for c in caches]
 
@@ -174,7 +179,7 @@ def chained(step: Step, caches: Sequence[DeviceKVCache], length: int, reps: int,
         for cache in caches:
             cache.settle(length + i + 1)
 
-    host, per_step = queue_calls(step, reps, wait, settle)
+    host, per_step = queue_calls(step, reps, lag, settle)
     for cache, state in zip(caches, saved):
         cache.restore(state)
     return {"host_ms": _ms(host), "per_step_ms": _ms(per_step)}
