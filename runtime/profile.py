@@ -18,7 +18,8 @@ target forward (plain decoding), it reports:
 Every repetition starts from the same cache state, so all run at the same shapes; the
 ``verify_chain_*`` rows instead run verifies one after another on the live caches: each
 waited for (as sequential rounds are), the previous one read while the next is queued (as
-pipelined rounds are), or all queued, to show what waits and buffers still in flight cost. Then
+pipelined rounds are), the one two back (as a second round of lookahead would), or all
+queued, to show what waits and buffers still in flight cost. Then
 the actor engine runs one request in each mode under cProfile, and the functions with
 the most own time are listed: the host's share of a round, by function. ``--compile both``
 (the default) measures everything with eager and with compiled steps (runtime.models.steps).
@@ -160,6 +161,7 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
         "plain_token": time_step(plain, [], reps),
         "verify_chain_waited": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=0),
         "verify_chain_read_previous": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=1),
+        "verify_chain_read_two_back": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=2),
         "verify_chain_queued": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=None),
     }
 

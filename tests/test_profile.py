@@ -22,7 +22,8 @@ def test_profile_times_every_step_eager_and_compiled_and_profiles_both_modes(
         assert parts["round"]["ops"] > parts["verify"]["ops"]  # a round is a draft and a verify
         assert sum(parts["verify"]["top_ops"].values()) <= parts["verify"]["ops"]
         assert "QuantizedMatmul" in parts["verify"]["top_ops"] or "Matmul" in parts["verify"]["top_ops"]
-        for chain in ("verify_chain_waited", "verify_chain_read_previous", "verify_chain_queued"):
+        for chain in ("verify_chain_waited", "verify_chain_read_previous", "verify_chain_read_two_back",
+                      "verify_chain_queued"):
             assert parts[chain]["per_step_ms"] > 0
         for mode in ("pipelined", "sequential"):
             engine = report[setting]["engine"][mode]
