@@ -127,6 +127,13 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
     mx.eval(out.logits, out.taps, *[c.keys for c in target_cache + drafter_cache])
     for layer in target_cache + drafter_cache:
         layer.settle(len(ids))
+    # room for every timed step first: a buffer growing inside a step (or a chain) would time
+    # the growth and, with compiled steps, the new trace for its size, not the step
+    for layer in target_cache:
+        layer.reserve(block + reps)
+    for layer in drafter_cache:
+        layer.reserve(2 * block)
+    mx.eval(*[c.keys for c in target_cache + drafter_cache], *[c.values for c in target_cache + drafter_cache])
     anchor = mx.argmax(out.logits[0, -1]).astype(mx.int32).reshape(1)
     taps = out.taps[:, -block:]  # a round's worth of new context rows, all kept
     keep = mx.array(block, dtype=mx.int32)
@@ -152,6 +159,8 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
         for layer in plain_cache:
             layer.trim(1)
         return [mx.argmax(logits[0, -1])]
+
+    mx.eval(*plain())  # its buffer grows now if the context filled it, not in a timed call
 
     both = target_cache + drafter_cache
     return {
