@@ -16,7 +16,8 @@ from .errors import RuntimeErrorBase
 class InvariantError(RuntimeErrorBase):
     invariant = "invariant"
 
-    def __init__(self, message: str, state: dict[str, Any]) -> None:
+    def __init__(self, message: str, facts: RoundFacts) -> None:
+        state = asdict(facts)  # only when a round fails: auditing a good round builds no dict
         super().__init__(f"{self.invariant} invariant violated: {message} (round state: {state})")
         self.detail, self.state = message, state
 
@@ -95,50 +96,49 @@ class RoundAuditor:
 
     def check(self, facts: RoundFacts) -> None:
         """Raise the named error of the first invariant this round breaks, else record it."""
-        state = asdict(facts)
-        self._check_history(facts, state)
-        self._check_round(facts, state)
+        self._check_history(facts)
+        self._check_round(facts)
         self.committed += len(facts.committed)
         self.previous = facts
 
-    def _check_history(self, facts: RoundFacts, state: dict[str, Any]) -> None:
+    def _check_history(self, facts: RoundFacts) -> None:
         if facts.committed_before != self.committed:
-            raise LagViolation(f"round claims {facts.committed_before} committed tokens, {self.committed} were", state)
+            raise LagViolation(f"round claims {facts.committed_before} committed tokens, {self.committed} were", facts)
         prev = self.previous
         if prev is not None and facts.drafter_ctx_before < prev.drafter_ctx_after:
             raise RollbackViolation(
                 f"drafter context went back from {prev.drafter_ctx_after} to {facts.drafter_ctx_before} "
-                "between rounds", state)
+                "between rounds", facts)
 
-    def _check_round(self, facts: RoundFacts, state: dict[str, Any]) -> None:
+    def _check_round(self, facts: RoundFacts) -> None:
         a = facts.accepted
         if facts.target_kv_before != self.committed - 1:
             raise LagViolation(
                 f"target KV holds {facts.target_kv_before} positions at round start, expected one behind "
-                f"the {self.committed} committed tokens", state)
+                f"the {self.committed} committed tokens", facts)
         if facts.anchor_pos != facts.target_kv_before:
-            raise LagViolation(f"anchor at {facts.anchor_pos}, but the target KV ends at {facts.target_kv_before}", state)
+            raise LagViolation(f"anchor at {facts.anchor_pos}, but the target KV ends at {facts.target_kv_before}", facts)
         if facts.tap_shape != (facts.block_size, self.n_taps * self.hidden_size):
             raise LayoutViolation(
                 f"verify taps have shape {facts.tap_shape}, expected [token={facts.block_size}, "
-                f"layer*dim={self.n_taps}*{self.hidden_size}]", state)
+                f"layer*dim={self.n_taps}*{self.hidden_size}]", facts)
         n = len(facts.drafts)
         if not 0 <= a <= n or facts.drafts[:a] != facts.target_tokens[:a]:
-            raise AcceptanceViolation(f"accepted {a} drafts that are not the target's own tokens", state)
+            raise AcceptanceViolation(f"accepted {a} drafts that are not the target's own tokens", facts)
         if facts.greedy and a < n and facts.drafts[a] == facts.target_tokens[a]:
-            raise AcceptanceViolation(f"draft {a} equals the target's token but was rejected", state)
+            raise AcceptanceViolation(f"draft {a} equals the target's token but was rejected", facts)
         if facts.committed != facts.drafts[:a] + [facts.target_tokens[a]]:
-            raise AcceptanceViolation("committed tokens are not the accepted drafts plus the target's bonus", state)
+            raise AcceptanceViolation("committed tokens are not the accepted drafts plus the target's bonus", facts)
         if facts.new_ctx_rows != a + 1:
-            raise TrimViolation(f"{facts.new_ctx_rows} new context rows, expected exactly a+1 = {a + 1}", state)
+            raise TrimViolation(f"{facts.new_ctx_rows} new context rows, expected exactly a+1 = {a + 1}", facts)
         if facts.target_kv_after != facts.target_kv_before + a + 1:
             raise TrimViolation(
                 f"target KV ends at {facts.target_kv_after} after the round, expected "
-                f"{facts.target_kv_before} + a+1 = {facts.target_kv_before + a + 1} (rejected drafts not dropped)", state)
+                f"{facts.target_kv_before} + a+1 = {facts.target_kv_before + a + 1} (rejected drafts not dropped)", facts)
         if facts.drafter_ctx_after < facts.drafter_ctx_before:
             raise RollbackViolation(
-                f"drafter context shrank from {facts.drafter_ctx_before} to {facts.drafter_ctx_after}", state)
+                f"drafter context shrank from {facts.drafter_ctx_before} to {facts.drafter_ctx_after}", facts)
         if facts.drafter_ctx_after + facts.new_ctx_rows != facts.target_kv_after:
             raise TrimViolation(
                 f"drafter context {facts.drafter_ctx_after} + pending {facts.new_ctx_rows} rows does not cover "
-                f"exactly the {facts.target_kv_after} target-accepted positions", state)
+                f"exactly the {facts.target_kv_after} target-accepted positions", facts)
