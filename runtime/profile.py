@@ -11,6 +11,7 @@ target forward (plain decoding), it reports:
   ``top_ops`` the most frequent of them by name;
 - ``first_ms``: the first call, synced (includes kernel builds for new shapes);
 - ``synced_ms``: build, queue and wait, per call (what a sequential loop pays);
+- ``build_ms``: building the graph alone, per call (Python and op construction);
 - ``host_ms``: build and queue alone, per call (what the host pays while the device runs);
 - ``queued_ms``: per call with ``reps`` calls queued before one wait (device throughput:
   when it is close to ``host_ms`` the step is bound by the host, not the device).
@@ -81,7 +82,20 @@ def time_step(step: Step, caches: Sequence[DeviceKVCache], reps: int) -> dict[st
         mx.eval(*call())
     synced = (time.perf_counter() - start) / reps
     host, queued = queue_calls(call, reps)
-    return {"ops": sum(ops.values()), "top_ops": dict(ops.most_common(TOP_OPS)), "first_ms": _ms(first), "synced_ms": _ms(synced), "host_ms": _ms(host), "queued_ms": _ms(queued)}
+    return {"ops": sum(ops.values()), "top_ops": dict(ops.most_common(TOP_OPS)), "first_ms": _ms(first),
+            "synced_ms": _ms(synced), "build_ms": _ms(build_time(call, reps)), "host_ms": _ms(host), "queued_ms": _ms(queued)}
+
+
+def build_time(call: Step, reps: int) -> float:
+    """Seconds per call to build the graph alone (Python and op construction; the rest of
+    ``host_ms`` is MLX encoding and launching it, which releases the GIL)."""
+    total = 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        outputs = call()
+        total += time.perf_counter() - start
+        mx.eval(*outputs)
+    return total / reps
 
 
 def queue_calls(call: Step, reps: int, lag: int | None = None,

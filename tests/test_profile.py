@@ -19,6 +19,7 @@ def test_profile_times_every_step_eager_and_compiled_and_profiles_both_modes(
         parts = report[setting]["parts"]
         for step in ("verify", "draft", "round", "plain_token"):
             assert parts[step]["ops"] > 0 and parts[step]["synced_ms"] > 0 and parts[step]["queued_ms"] > 0
+            assert 0 < parts[step]["build_ms"]
         assert parts["round"]["ops"] > parts["verify"]["ops"]  # a round is a draft and a verify
         assert sum(parts["verify"]["top_ops"].values()) <= parts["verify"]["ops"]
         assert "QuantizedMatmul" in parts["verify"]["top_ops"] or "Matmul" in parts["verify"]["top_ops"]
