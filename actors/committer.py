@@ -148,15 +148,16 @@ class Committer(Actor):
         return facts, ready
 
     async def _next_round_queued(self, message: Verified) -> None:
-        """Before blocking on round N, let round N+1 reach the device queue (pipelined mode).
+        """Before blocking on round N, let the rounds drafted ahead of it reach the device queue.
 
-        Reading round N blocks this thread until the device finishes it; if round N+1 is
-        not queued by then, the device idles while the host builds it.
+        Reading round N blocks this thread until the device finishes it; if round N+1 (and
+        N+2 with two rounds of lookahead) is not queued by then, the device idles while the
+        host builds it.
         """
         assert self.verifier is not None and self.drafter is not None
-        rid, nxt = message.request_id, message.round + 1
+        rid, last = message.request_id, message.round + self.drafter.lookahead
         for _ in range(MAX_YIELDS_FOR_NEXT_ROUND):
-            if self.drafter.lookahead == 0 or self.verifier.has_round(rid, nxt) or not self.drafter.will_draft(rid, nxt):
+            if self.drafter.lookahead == 0 or self.verifier.has_round(rid, last) or not self.drafter.will_draft(rid, last):
                 return
             await anyio.sleep(0)
 

@@ -71,7 +71,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         super().__init__(inbox)
         self.drafter = drafter
         self.pad_batches = default_pad_batches() if pad_batches is None else pad_batches
-        self.lookahead = lookahead  # rounds drafted beyond the last acknowledged one: 0 or 1
+        self.lookahead = lookahead  # rounds drafted beyond the last acknowledged one: 0, 1 or 2
         self.verifier_inbox: ObjectSendStream[ActorMessage] | None = None
         self.verifier: Verifier | None = None
 

@@ -3,9 +3,9 @@
     python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH] [--repeat N] [--no-engine]
 
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
-times a round's parts), and the actor engine in ``sequential`` (host sync every round)
-and ``pipelined`` (round N+1 queued before round N is read) modes; ``dflash`` in the
-JSON is the pipelined engine. After a warm-up (kernel builds and compiled-step traces are
+times a round's parts), and the actor engine in ``sequential`` (host sync every round),
+``pipelined`` (round N+1 queued before round N is read) and ``pipelined2`` (rounds N+1 and
+N+2 queued before round N is read) modes; ``dflash`` in the JSON is the pipelined engine. After a warm-up (kernel builds and compiled-step traces are
 not timed), each prompt runs through every mode back to back before the next prompt, and
 the whole set ``--repeat`` times: the modes share the machine's slow and fast phases, so
 their ratios hold even where absolute timings drift. Reported per mode, over all its runs
@@ -202,8 +202,10 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
         modes = {mode: {**engine_summary(pooled(done)), "runs_tokens_per_s": [engine_summary(r)["tokens_per_s"] for r in done]}
                  for mode, done in runs.items()}
         dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
-        report.update(sequential=modes["sequential"], dflash=dflash, pipelined_over_sequential=round(
-            dflash["tokens_per_s"] / (modes["sequential"]["tokens_per_s"] or 1.0), 3))
+        sequential = modes["sequential"]["tokens_per_s"] or 1.0
+        report.update(sequential=modes["sequential"], dflash=dflash, pipelined2=modes["pipelined2"],
+                      pipelined_over_sequential=round(dflash["tokens_per_s"] / sequential, 3),
+                      pipelined2_over_sequential=round(modes["pipelined2"]["tokens_per_s"] / sequential, 3))
     return report
 
 
@@ -213,7 +215,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"load {report.get('load_s', 0):.1f} s")
     print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'= plain':>7}")
     plain_speed = report["plain"]["tokens_per_s"] or 1.0
-    names = [("plain", "plain"), ("reference", "reference"), ("sequential", "sequential"), ("pipelined", "dflash")]
+    names = [("plain", "plain"), ("reference", "reference"), ("sequential", "sequential"), ("pipelined", "dflash"),
+             ("pipelined2", "pipelined2")]
     for name, key in names:
         if key not in report:
             continue

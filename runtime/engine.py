@@ -31,7 +31,9 @@ from .logs import RunLog
 from .models.dflash import DFlashDrafter
 from .speculative import block_size_for
 
-MODES = {"pipelined": 1, "sequential": 0}  # rounds drafted ahead of the committer
+# rounds drafted ahead of the committer: pipelined reads round N once N+1 is queued, pipelined2
+# once N+2 is (the host then waits on the device less often behind it), sequential at once
+MODES = {"pipelined": 1, "sequential": 0, "pipelined2": 2}
 
 
 @dataclass

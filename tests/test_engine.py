@@ -46,14 +46,16 @@ def test_pipelined_sequential_and_plain_greedy_outputs_are_identical(tiny_llama:
     want = [plain(tiny_llama, p, GenerationParams(max_tokens=7 + 3 * i)) for i, p in enumerate(PROMPTS[:8])]
     assert run(lambda: outputs("sequential")) == want
     assert run(lambda: outputs("pipelined")) == want
+    assert run(lambda: outputs("pipelined2")) == want
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_fifty_concurrent_generations_finish_correctly_and_leave_no_state(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, backend: str) -> None:
+@pytest.mark.parametrize("backend,mode", [("asyncio", "pipelined"), ("trio", "pipelined"), ("asyncio", "pipelined2")])
+def test_fifty_concurrent_generations_finish_correctly_and_leave_no_state(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter,
+                                                                          backend: str, mode: str) -> None:
     results: dict[int, list[int]] = {}
 
     async def main() -> Any:
-        async with Engine(tiny_llama, tiny_drafter) as engine:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
             async def one(i: int) -> None:
                 results[i] = (await collect(engine, PROMPTS[i], GenerationParams(max_tokens=12, block_size=4)))[0]
 
@@ -149,13 +151,15 @@ class RollingBackDrafterView:
         return getattr(self.drafter, name)
 
 
+@pytest.mark.parametrize("mode", ["pipelined", "pipelined2"])
 @pytest.mark.parametrize("kind,error", [("lag", "LagViolation"), ("trim", "TrimViolation"), ("layout", "LayoutViolation"),
                                         ("accepted-prefix", "AcceptanceViolation"), ("no-rollback", "RollbackViolation")])
-def test_a_corrupted_verdict_ends_only_its_request_with_the_named_error(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, kind: str, error: str) -> None:
+def test_a_corrupted_verdict_ends_only_its_request_with_the_named_error(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, kind: str,
+                                                                          error: str, mode: str) -> None:
     params = GenerationParams(max_tokens=20, block_size=4)
 
     async def main() -> Any:
-        async with Engine(tiny_llama, tiny_drafter) as engine:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
             if kind == "no-rollback":
                 engine.committer.drafter = RollingBackDrafterView(engine.committer.drafter, "req-0")  # type: ignore[assignment]
             else:
@@ -207,6 +211,7 @@ def test_seeded_sampling_gives_the_same_output_in_both_modes(tiny_llama: LoadedM
 
     sequential = run(lambda: outputs("sequential"))
     assert run(lambda: outputs("pipelined")) == sequential
+    assert run(lambda: outputs("pipelined2")) == sequential
     assert run(lambda: outputs("sequential")) == sequential  # and reproducible
 
 
@@ -229,7 +234,7 @@ def _run_concurrently(engine: Engine, prompts: list[list[int]], params: list[Gen
     return main
 
 
-@pytest.mark.parametrize("mode,pad", [("pipelined", False), ("sequential", False), ("pipelined", True)])
+@pytest.mark.parametrize("mode,pad", [("pipelined", False), ("sequential", False), ("pipelined", True), ("pipelined2", True)])
 def test_concurrent_requests_share_forwards_and_each_gets_its_alone_output(
         tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, mode: str, pad: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from protocol import records
@@ -258,7 +263,7 @@ def test_seeded_sampling_is_the_same_in_a_batch_as_alone(tiny_llama: LoadedModel
         assert together[i] == alone[0]
 
 
-@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+@pytest.mark.parametrize("mode", ["pipelined", "sequential", "pipelined2"])
 def test_cancelling_one_batched_request_lets_the_others_finish(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter,
                                                                 mode: str) -> None:
     params = GenerationParams(max_tokens=40, block_size=4)
@@ -365,7 +370,7 @@ def compiled_steps(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> Any:
     tiny_llama.model.compile_steps = tiny_drafter.compile_steps = False
 
 
-@pytest.mark.parametrize("mode", ["pipelined", "sequential"])
+@pytest.mark.parametrize("mode", ["pipelined", "sequential", "pipelined2"])
 def test_compiled_steps_give_every_request_its_plain_greedy_output(
         tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, compiled_steps: Any, mode: str) -> None:
     # alone (single-request steps) and concurrently (stacked caches, padded rows, shorter blocks)
