@@ -6,7 +6,8 @@ its new context the verify taps, of which the device-side ``a+1`` rows are kept:
 host never has to wait for round N to start N+1.
 
 Requests advance in lockstep: a flush drafts the next round of every request that is
-ready, in one forward over their stacked caches, but not while some request that has
+ready, in one forward over their stacked caches (kept from step to step while the same
+requests draft together: runtime.cache.KeptStack), but not while some request that has
 drafted before is still waiting for its verdict or acknowledgement: it will be ready
 within the step, and drafting without it would split the batch for good. Newcomers join
 at the next step; their prompt context is written alone first, since its length is theirs.
@@ -23,7 +24,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import ActorMessage, Admit, Drafted, RoundAck, VerdictQueued
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
-from runtime.cache import DeviceKVCache, StackedKVCache, restored_on_failure, stack_layers
+from runtime.cache import DeviceKVCache, KeptStack, restored_on_failure
 from runtime.models.dflash import DFlashDrafter
 from runtime.speculative import block_size_for
 
@@ -74,9 +75,19 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         self.lookahead = lookahead  # rounds drafted beyond the last acknowledged one: 0, 1 or 2
         self.verifier_inbox: ObjectSendStream[ActorMessage] | None = None
         self.verifier: Verifier | None = None
+        self._stack = KeptStack()  # the last batched step's stacked caches, while its requests stay together
 
     def outputs(self, request_id: str, round: int) -> DraftOutputs:
         return super().outputs(request_id, round)
+
+    def forget(self, request_id: str) -> None:
+        if self._stack.holds(request_id):
+            self._stack.break_up()
+        super().forget(request_id)
+
+    @property
+    def cache_bytes(self) -> int:
+        return super().cache_bytes + self._stack.nbytes
 
     def will_draft(self, request_id: str, round: int) -> bool:
         """Whether ``round`` will still be drafted for the request (it is not past max_tokens)."""
@@ -135,8 +146,9 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         rounds = [r.next_round for r in requests]
         blocks = [self._block_for(r, n) for r, n in zip(requests, rounds)]
         previous = [self.verifier.outputs(rid, n - 1) for rid, n in zip(request_ids, rounds)]
-        with restored_on_failure([r.cache for r in requests]):
-            drafts, ctx_before, ctx_after = self._forward(requests, previous, blocks)
+        # newcomers' context is written before the step, outside any stack (they never are in one)
+        with restored_on_failure([r.cache for r, p in zip(requests, previous) if p.block_size == 0]):
+            drafts, ctx_before, ctx_after = self._forward(list(request_ids), requests, previous, blocks)
         readout = HostReadout([drafts, ctx_before, ctx_after])
         for row, (request, round, block) in enumerate(zip(requests, rounds, blocks)):
             request.outputs[round] = DraftOutputs(drafts[row], block, readout, row)
@@ -147,7 +159,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
             request_id=rid, round=round, block_size=block, speculative=r.acked < round - 1, draft_queued_at=now,
             batch_size=len(requests)) for rid, r, round, block in zip(request_ids, requests, rounds, blocks)])
 
-    def _forward(self, requests: Sequence[DrafterRequest], previous: Sequence[RoundOutputs],
+    def _forward(self, ids: list[str], requests: Sequence[DrafterRequest], previous: Sequence[RoundOutputs],
                  blocks: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
         """Drafts ``[R, L-1]`` and the context lengths before and after, for stacked requests.
 
@@ -158,7 +170,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         rows = padded_batch(n) if self.pad_batches else n
         width = max(r.block_size for r in requests)
         fresh = [p.block_size == 0 for p in previous]  # after the prefill: the whole prompt is new context
-        ctx_before = mx.stack([r.cache[0].length for r in requests])
+        empty = [r.cache[0].length for r, new in zip(requests, fresh) if new]  # newcomers' context, not yet written
         for request, prev, new in zip(requests, previous, fresh):
             if new and rows > 1:
                 self.drafter.write_context(prev.taps, request.cache, prev.keep)
@@ -168,27 +180,24 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         tokens = mx.concatenate([anchors[:, None], mask], axis=1)
         lens = list(blocks) + [1] * (rows - n)
         block_lens = mx.array(lens) if min(lens) < width else None
-        ctx_rows = 0
-        if rows == 1:
-            caches: Sequence[DeviceKVCache] = requests[0].cache
-            ctx, keep = previous[0].taps, previous[0].keep
-        else:
-            ctx_rows = width if not all(fresh) else 0
-            caches = stack_layers([r.cache for r in requests], ctx_rows, rows)
+        ctx_rows = width if not all(fresh) else 0
+        ctx, keep = previous[0].taps, previous[0].keep
+        if rows > 1:
             ctx = keep = None
             if ctx_rows:  # newcomers and blank rows take part with zero rows, none kept
                 none = previous[0].taps[0, :0]
                 ctx = pad_rows([p.taps[0] if not new else none for p, new in zip(previous, fresh)]
                                + [none] * (rows - n), ctx_rows)
                 keep = mx.stack([p.keep if not new else zero for p, new in zip(previous, fresh)] + [zero] * (rows - n))
-        hidden = self.drafter.hidden(tokens, ctx, caches, keep=keep, block_lens=block_lens)
+        written = [0 if new else ctx_rows for new in fresh]
+        with self._stack.stacked(ids, [r.cache for r in requests], ctx_rows, rows, written) as caches:
+            lengths = caches[0].length.reshape(-1)
+            ctx_before = mx.stack([empty.pop(0) if new else lengths[i] for i, new in enumerate(fresh)]) \
+                if any(fresh) and rows > 1 else lengths[:n]
+            hidden = self.drafter.hidden(tokens, ctx, caches, keep=keep, block_lens=block_lens)
+            ctx_after = caches[0].length.reshape(-1)[:n]
         if width > 1:
             drafts = mx.argmax(self.drafter.logits(hidden[:n, 1:]), axis=-1).astype(mx.int32)
         else:
             drafts = mx.zeros((n, 0), dtype=mx.int32)
-        ctx_after = caches[0].length.reshape(-1)[:n]
-        if rows > 1:
-            for layer in caches:
-                assert isinstance(layer, StackedKVCache)
-                layer.unstack([0 if new else ctx_rows for new in fresh])
         return drafts, ctx_before, ctx_after

@@ -17,9 +17,8 @@ ops that cost host time on a GPU); they get their rows back when it breaks up.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -36,15 +35,7 @@ from protocol import (
 )
 from runtime.acceptance import stacked_verdicts
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
-from runtime.cache import (
-    ATTENTION_BUCKET,
-    DeviceKVCache,
-    StackedKVCache,
-    advance_layers,
-    restored_on_failure,
-    round_up,
-    stack_layers,
-)
+from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, KeptStack, advance_layers, round_up
 from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
@@ -85,19 +76,6 @@ class RoundOutputs:
 
 
 @dataclass
-class StackedBatch:
-    """Requests verified together, in row order, and their stacked caches: while it lasts the
-    stack holds their device rows (their own caches keep only the host-side bookkeeping)."""
-
-    ids: tuple[str, ...]
-    layers: list[StackedKVCache]
-
-    def release(self) -> None:
-        for layer in self.layers:
-            layer.release(len(self.ids))
-
-
-@dataclass
 class VerifierRequest:
     params: GenerationParams
     sampler: Sampler
@@ -119,7 +97,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         self.drafter: Drafter | None = None
         self._admitted: list[Admit] = []
         self._drafted: dict[str, Drafted] = {}  # request id -> its round waiting to be verified
-        self._batch: StackedBatch | None = None
+        self._stack = KeptStack()
 
     def outputs(self, request_id: str, round: int) -> RoundOutputs:
         return super().outputs(request_id, round)
@@ -138,8 +116,8 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             self._acknowledged(message)
 
     def forget(self, request_id: str) -> None:
-        if self._batch is not None and request_id in self._batch.ids:
-            self._break_batch()
+        if self._stack.holds(request_id):
+            self._stack.break_up()
         super().forget(request_id)
         self._drafted.pop(request_id, None)
         self._admitted = [a for a in self._admitted if a.request_id != request_id]  # not prefilled yet
@@ -196,7 +174,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         anchors = mx.stack([r.outputs[m.round - 1].bonus for r, m in zip(requests, rounds)]
                            + [mx.array(0, dtype=mx.int32)] * (rows - n))
         tokens = mx.concatenate([anchors[:, None], drafts], axis=1)
-        with self._stacked([m.request_id for m in rounds], [r.cache for r in requests], width, rows) as caches:
+        with self._stack.stacked([m.request_id for m in rounds], [r.cache for r in requests], width, rows) as caches:
             kv_before = caches[0].length.reshape(-1)[:n]
             out = self.target(tokens, caches, tap_layers=self.tap_layers)
             assert out.taps is not None
@@ -218,51 +196,14 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
 
     def _in_batch_order(self, rounds: Sequence[Drafted]) -> list[Drafted]:
         """The rounds in the kept stack's row order when they are its requests (else as they came)."""
-        if self._batch is None or {m.request_id for m in rounds} != set(self._batch.ids):
+        if {m.request_id for m in rounds} != set(self._stack.ids):
             return list(rounds)
-        row = {rid: i for i, rid in enumerate(self._batch.ids)}
+        row = {rid: i for i, rid in enumerate(self._stack.ids)}
         return sorted(rounds, key=lambda m: row[m.request_id])
-
-    @contextmanager
-    def _stacked(self, ids: Sequence[str], caches: Sequence[list[DeviceKVCache]], new_rows: int,
-                 rows: int) -> Iterator[Sequence[DeviceKVCache]]:
-        """The layers' caches of these requests for one forward (stacked, with blank rows up to ``rows``).
-
-        The previous step's stack serves again when it holds the same requests and the new
-        rows fit. On failure the caches (or the stack, whose rows then go back to the
-        requests) are restored, so a retry starts from the same state.
-        """
-        if rows == 1:
-            self._break_batch()
-            with restored_on_failure(caches):
-                yield caches[0]
-            return
-        batch = self._batch
-        if batch is None or batch.ids != tuple(ids) or len(batch.layers[0].members) != rows \
-                or not all(layer.fits(new_rows) for layer in batch.layers):
-            self._break_batch()
-            batch = self._batch = StackedBatch(tuple(ids), stack_layers(caches, new_rows, rows))
-            for layers in caches:  # their rows live in the stack now: drop the copies
-                for layer in layers:
-                    layer.keys = layer.values = None
-        try:
-            with restored_on_failure([batch.layers]):
-                yield batch.layers
-        except BaseException:
-            self._break_batch()
-            raise
-        for layer in batch.layers:
-            layer.count_writes([new_rows] * len(ids))
-
-    def _break_batch(self) -> None:
-        if self._batch is not None:
-            self._batch.release()
-            self._batch = None
 
     @property
     def cache_bytes(self) -> int:
-        stacked = sum(layer.nbytes for layer in self._batch.layers) if self._batch is not None else 0
-        return super().cache_bytes + stacked
+        return super().cache_bytes + self._stack.nbytes
 
     def _acknowledged(self, ack: RoundAck) -> None:
         if ack.finished:

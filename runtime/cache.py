@@ -256,10 +256,10 @@ class StackedKVCache(DeviceKVCache):
     """One layer's caches of several requests on the batch axis, for batched forwards.
 
     Row r is member r's cache: ``length`` is ``[R]``, so each row writes, ropes and
-    attends at its own length. ``unstack`` gives every member its row back (``count_writes``
-    and ``release`` separately, for a stack that serves several steps: the verifier keeps
-    one while the same requests are verified together). Stacking copies the members'
-    buffers: far cheaper than the kernel launches a separate forward per request would be.
+    attends at its own length. After a step, ``count_writes`` does the members' bookkeeping
+    and ``release`` gives each member its rows back (a stack may serve several steps first:
+    ``KeptStack``). Stacking copies the members' buffers: far cheaper than the kernel
+    launches a separate forward per request would be.
     """
 
     def __init__(self, members: Sequence[DeviceKVCache], new_rows: int) -> None:
@@ -271,18 +271,12 @@ class StackedKVCache(DeviceKVCache):
         self.keys = mx.concatenate([_fit(c.keys, capacity) for c in members], axis=0)
         self.values = mx.concatenate([_fit(c.values, capacity) for c in members], axis=0)
 
-    def unstack(self, written: Sequence[int]) -> None:
-        """Hand the first ``len(written)`` members their rows: buffer, device length, rows written.
-
-        Members past them are blank padding rows and get nothing back. A member written
-        ``0`` rows took part without new rows (they lie past its valid end and its bound):
-        the drafter's newcomers, whose context went in beforehand.
-        """
-        self.count_writes(written)
-        self.release(len(written))
-
     def count_writes(self, written: Sequence[int]) -> None:
-        """The members' host-side bookkeeping of a step's writes (their device rows stay here)."""
+        """The members' host-side bookkeeping of a step's writes (their device rows stay here).
+
+        A member written ``0`` rows took part without new rows (they lie past its valid end
+        and its bound): the drafter's newcomers, whose context went in beforehand.
+        """
         for cache, rows in zip(self.members, written):
             if rows:
                 cache._count_write(rows)
@@ -315,6 +309,63 @@ def _fit(buffer: mx.array | None, capacity: int) -> mx.array:
         return buffer[..., :capacity, :]
     b, h, t, d = buffer.shape
     return mx.concatenate([buffer, mx.zeros((b, h, capacity - t, d), buffer.dtype)], axis=2)
+
+
+class KeptStack:
+    """Stacked caches kept from step to step while the same requests run together.
+
+    Stacking copies every member's buffers and unstacking makes a view per row and layer:
+    ops that cost host time on a GPU. While the same requests run together (same order and
+    row count) and the new rows fit, one stack serves step after step and holds their device
+    rows (their own caches keep only the host-side bookkeeping); they get their rows back
+    when it breaks up: a request joins or leaves, one runs alone, a step fails.
+    """
+
+    def __init__(self) -> None:
+        self.ids: tuple[str, ...] = ()
+        self.layers: list[StackedKVCache] | None = None
+
+    def holds(self, request_id: str) -> bool:
+        return self.layers is not None and request_id in self.ids
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers) if self.layers is not None else 0
+
+    @contextmanager
+    def stacked(self, ids: Sequence[str], caches: Sequence[Sequence[DeviceKVCache]], new_rows: int, rows: int,
+                written: Sequence[int] | None = None) -> Iterator[Sequence[DeviceKVCache]]:
+        """The layers' caches of these requests for one step (stacked, blank rows up to ``rows``;
+        a lone request's own caches), and after it ``written`` rows (default ``new_rows``) counted
+        for each. On failure the caches, or the stack (whose rows then go back to the requests),
+        are restored, so a retry starts from the same state."""
+        if rows == 1:
+            self.break_up()
+            with restored_on_failure(caches):
+                yield caches[0]
+            return
+        if self.layers is None or self.ids != tuple(ids) or len(self.layers[0].members) != rows \
+                or not all(layer.fits(new_rows) for layer in self.layers):
+            self.break_up()
+            self.ids, self.layers = tuple(ids), stack_layers(caches, new_rows, rows)
+            for layers in caches:  # their rows live in the stack now: drop the copies
+                for layer in layers:
+                    layer.keys = layer.values = None
+        try:
+            with restored_on_failure([self.layers]):
+                yield self.layers
+        except BaseException:
+            self.break_up()
+            raise
+        for layer in self.layers:
+            layer.count_writes(written if written is not None else [new_rows] * len(ids))
+
+    def break_up(self) -> None:
+        """Give the members their rows back."""
+        if self.layers is not None:
+            for layer in self.layers:
+                layer.release(len(self.ids))
+            self.ids, self.layers = (), None
 
 
 @contextmanager

@@ -362,6 +362,30 @@ def test_a_failed_batched_step_is_retried_per_request_from_the_same_state(
         assert results[i] == plain(tiny_llama, PROMPTS[i], params)
 
 
+def test_a_failed_draft_on_a_kept_stack_is_retried_per_request_from_the_same_state(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched draft fails on a stack kept from the step before, after its context went in and its
+    lengths advanced: the stack is restored and broken up, each request retries alone, outputs stay exact."""
+    params = GenerationParams(max_tokens=30, block_size=3)
+    real_hidden, stacks, failed = tiny_drafter.hidden, [], []
+
+    def flaky_hidden(block: Any, ctx: Any, caches: Any, **kwargs: Any) -> Any:
+        hidden = real_hidden(block, ctx, caches, **kwargs)
+        if block.shape[0] > 1:
+            stacks.append(caches)
+            if not failed and len(stacks) >= 3 and stacks[-1] is stacks[-2]:
+                failed.append(len(stacks))
+                raise RuntimeError("injected failure of a batched draft on a kept stack")
+        return hidden
+
+    monkeypatch.setattr(tiny_drafter, "hidden", flaky_hidden)
+    engine = Engine(tiny_llama, tiny_drafter)
+    results = run(_run_concurrently(engine, PROMPTS[:4], [params] * 4))
+    assert failed and len(stacks) > failed[0], "no failure on a kept stack, or no batched draft after it"
+    for i in range(4):
+        assert results[i] == plain(tiny_llama, PROMPTS[i], params)
+
+
 @pytest.fixture()
 def compiled_steps(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> Any:
     """Verify and draft forwards as compiled steps (the GPU default) for one test."""
@@ -389,25 +413,35 @@ def test_compiled_steps_give_every_request_its_plain_greedy_output(
 
 def test_a_batch_keeps_its_stacked_caches_while_its_requests_stay_together(
         tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
-    import actors.verifier as verifier_module
-
-    stacks, steps = [], []
-    stack_layers = verifier_module.stack_layers
-    monkeypatch.setattr(verifier_module, "stack_layers", lambda *a: stacks.append(1) or stack_layers(*a))
-    verify = Verifier._verify
+    stacks: list[Any] = []  # the stack each batched verify ran on (kept alive, so identities stay unique)
+    draft_stacks: list[Any] = []
+    steps = []
+    verify, real_hidden = Verifier._verify, tiny_drafter.hidden
 
     async def counted(self: Verifier, rounds: Any) -> None:
         steps.append(len(rounds))
         await verify(self, rounds)
+        if len(rounds) > 1 and self._stack.layers is not None:
+            stacks.append(self._stack.layers)
+
+    def hidden(block: Any, ctx: Any, caches: Any, **kwargs: Any) -> Any:
+        if block.shape[0] > 1:
+            draft_stacks.append(caches)
+        return real_hidden(block, ctx, caches, **kwargs)
 
     monkeypatch.setattr(Verifier, "_verify", counted)
+    monkeypatch.setattr(tiny_drafter, "hidden", hidden)
     params = [GenerationParams(max_tokens=40, block_size=3) for _ in range(6)]
     engine = Engine(tiny_llama, tiny_drafter, pad_batches=True)
     results = run(_run_concurrently(engine, PROMPTS[:6], params))
     assert [results[i] for i in range(6)] == [plain(tiny_llama, PROMPTS[i], params[i]) for i in range(6)]
     batched = sum(n > 1 for n in steps)
-    assert batched >= 10 and len(stacks) <= batched // 3, (len(stacks), batched)  # rebuilt only when membership changed
-    assert engine.verifier._batch is None and engine.verifier.cache_bytes == 0  # released at the end
+    built = len({id(layers) for layers in stacks})
+    assert batched >= 10 and built <= batched // 3, (built, batched)  # rebuilt only when membership changed
+    drafted = len({id(layers) for layers in draft_stacks})
+    assert len(draft_stacks) >= 10 and drafted <= len(draft_stacks) // 3, (drafted, len(draft_stacks))
+    for actor in (engine.verifier, engine.drafter_actor):  # released at the end
+        assert actor._stack.layers is None and actor.cache_bytes == 0
 
 
 def test_a_failed_verify_on_a_kept_stack_is_retried_per_request_from_the_same_state(
@@ -421,9 +455,9 @@ def test_a_failed_verify_on_a_kept_stack_is_retried_per_request_from_the_same_st
 
     def flaky_advance(self: StackedKVCache, n: Any) -> None:
         real_advance(self, n)
-        batch = engine.verifier._batch
-        if batch is not None and self is batch.layers[0]:
-            seen.append(batch)
+        stack = engine.verifier._stack.layers
+        if stack is not None and self is stack[0]:
+            seen.append(stack)
             if not failed and len(seen) >= 3 and seen[-1] is seen[-2]:  # a stack kept from the step before
                 failed.append(len(seen))
                 raise RuntimeError("injected failure of a batched verify, after its lengths advanced")
