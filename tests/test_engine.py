@@ -362,28 +362,42 @@ def test_a_failed_batched_step_is_retried_per_request_from_the_same_state(
         assert results[i] == plain(tiny_llama, PROMPTS[i], params)
 
 
+class FailsOnceOnAKeptStack:
+    """Records the stack of each batched step; raises once, on a stack kept from the step before."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.failed_at = what, 0
+        self.stacks: list[Any] = []
+
+    def step(self, stack: Any) -> None:
+        self.stacks.append(stack)  # kept alive, so identities stay unique
+        if not self.failed_at and len(self.stacks) >= 3 and self.stacks[-1] is self.stacks[-2]:
+            self.failed_at = len(self.stacks)
+            raise RuntimeError(f"injected failure of a batched {self.what} on a kept stack, after its writes")
+
+    def check_outputs(self, engine: Engine, tiny_llama: LoadedModel) -> None:
+        """Every request's output is exact although one step failed, and steps ran on after it."""
+        params = GenerationParams(max_tokens=30, block_size=3)
+        results = run(_run_concurrently(engine, PROMPTS[:4], [params] * 4))
+        assert self.failed_at and len(self.stacks) > self.failed_at, "no failure on a kept stack, or nothing after it"
+        for i in range(4):
+            assert results[i] == plain(tiny_llama, PROMPTS[i], params)
+
+
 def test_a_failed_draft_on_a_kept_stack_is_retried_per_request_from_the_same_state(
         tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batched draft fails on a stack kept from the step before, after its context went in and its
     lengths advanced: the stack is restored and broken up, each request retries alone, outputs stay exact."""
-    params = GenerationParams(max_tokens=30, block_size=3)
-    real_hidden, stacks, failed = tiny_drafter.hidden, [], []
+    real_hidden, injected = tiny_drafter.hidden, FailsOnceOnAKeptStack("draft")
 
     def flaky_hidden(block: Any, ctx: Any, caches: Any, **kwargs: Any) -> Any:
         hidden = real_hidden(block, ctx, caches, **kwargs)
         if block.shape[0] > 1:
-            stacks.append(caches)
-            if not failed and len(stacks) >= 3 and stacks[-1] is stacks[-2]:
-                failed.append(len(stacks))
-                raise RuntimeError("injected failure of a batched draft on a kept stack")
+            injected.step(caches)
         return hidden
 
     monkeypatch.setattr(tiny_drafter, "hidden", flaky_hidden)
-    engine = Engine(tiny_llama, tiny_drafter)
-    results = run(_run_concurrently(engine, PROMPTS[:4], [params] * 4))
-    assert failed and len(stacks) > failed[0], "no failure on a kept stack, or no batched draft after it"
-    for i in range(4):
-        assert results[i] == plain(tiny_llama, PROMPTS[i], params)
+    injected.check_outputs(Engine(tiny_llama, tiny_drafter), tiny_llama)
 
 
 @pytest.fixture()
@@ -450,21 +464,14 @@ def test_a_failed_verify_on_a_kept_stack_is_retried_per_request_from_the_same_st
     stack is restored and broken up, each request retries alone, and every output is still exact."""
     from runtime.cache import StackedKVCache
 
-    params = GenerationParams(max_tokens=30, block_size=3)
-    real_advance, seen, failed = StackedKVCache.advance, [], []
+    real_advance, injected = StackedKVCache.advance, FailsOnceOnAKeptStack("verify")
 
     def flaky_advance(self: StackedKVCache, n: Any) -> None:
         real_advance(self, n)
         stack = engine.verifier._stack.layers
         if stack is not None and self is stack[0]:
-            seen.append(stack)
-            if not failed and len(seen) >= 3 and seen[-1] is seen[-2]:  # a stack kept from the step before
-                failed.append(len(seen))
-                raise RuntimeError("injected failure of a batched verify, after its lengths advanced")
+            injected.step(stack)
 
     monkeypatch.setattr(StackedKVCache, "advance", flaky_advance)
     engine = Engine(tiny_llama, tiny_drafter)
-    results = run(_run_concurrently(engine, PROMPTS[:4], [params] * 4))
-    assert failed and len(seen) > failed[0], "no failure on a kept stack, or nothing after it"
-    for i in range(4):
-        assert results[i] == plain(tiny_llama, PROMPTS[i], params)
+    injected.check_outputs(engine, tiny_llama)
