@@ -204,10 +204,10 @@ def _chat_conversations() -> list[list[str]]:
     return conversations
 
 
-def _documented_functions(source: str) -> Iterator[str]:
+def _documented_functions(source: str, tree: ast.Module) -> Iterator[str]:
     """Each documented function's header and docstring, dedented: code for the model to continue."""
     lines = source.splitlines()
-    for node in ast.walk(parse_code(source)):
+    for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
             continue
         doc = node.body[0]
@@ -225,20 +225,26 @@ def _module_imports(tree: ast.Module) -> str:
     return "\n".join([line for line in imports if len(line) <= MAX_IMPORT_CHARS][:MAX_IMPORT_LINES])
 
 
-def _continue_prompts(source: str, code: str) -> list[Prompt]:
-    """HumanEval-shaped prompts, one per documented function of ``code``: imports, two blank lines,
-    header and docstring. Raises SyntaxError (or ValueError) for code that does not parse."""
-    imports = _module_imports(parse_code(code))
-    head = f"{imports}\n\n\n" if imports else ""
-    return [Prompt(source, text=head + snippet) for snippet in _documented_functions(code)
-            if len(snippet) <= MAX_SNIPPET_CHARS]
+def _read_module(path: Path) -> tuple[str, ast.Module] | None:
+    """A Python file's text and syntax tree; None for one that cannot be read or parsed."""
+    try:
+        code = path.read_text(encoding="utf-8")
+        return code, parse_code(code)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None  # some files are deliberately invalid, in other encodings, or listed but absent
 
 
 def _file_continue_prompts(source: str, path: Path) -> list[Prompt]:
-    try:
-        return _continue_prompts(source, path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return []  # some files are deliberately invalid, in other encodings, or listed but absent
+    """HumanEval-shaped prompts, one per documented function of the file: imports, two blank
+    lines, header and docstring."""
+    module = _read_module(path)
+    if module is None:
+        return []
+    code, tree = module
+    imports = _module_imports(tree)
+    head = f"{imports}\n\n\n" if imports else ""
+    return [Prompt(source, text=head + snippet) for snippet in _documented_functions(code, tree)
+            if len(snippet) <= MAX_SNIPPET_CHARS]
 
 
 def stdlib_prompts() -> list[Prompt]:
@@ -296,12 +302,10 @@ def python_questions() -> list[Prompt]:
     modules = [(p.stem, p) for p in root.glob("*.py")] + [(p.parent.name, p) for p in root.glob("*/__init__.py")]
     prompts: dict[Prompt, None] = {}
     for name, path in sorted(modules):
-        if name.startswith("_") or name in STDLIB_SKIP_DIRS:
+        module = None if name.startswith("_") or name in STDLIB_SKIP_DIRS else _read_module(path)
+        if module is None:
             continue
-        try:
-            tree = parse_code(path.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
+        tree = module[1]
         if ast.get_docstring(tree):
             prompts[user_prompt("ask-python", f"What is the Python module `{name}` for?")] = None
         for node in tree.body:
@@ -361,7 +365,7 @@ def file_prompts(path: Path) -> list[Prompt]:
     """JSONL records (``messages``, ``prompt`` or ``text``) or plain text, one user prompt a line."""
     _refuse_evaluation_data(path)
     if not path.is_file():
-        raise DataError(f"{path} does not exist: --data takes gsm, code, code-def, chat, stdlib, pkg:DIST or prompt files")
+        raise DataError(f"{path} does not exist: --data takes {', '.join(SOURCE_NAMES)} or prompt files")
     source = f"file:{path.name}"
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if path.suffix not in (".jsonl", ".json"):
