@@ -170,7 +170,8 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         rows = padded_batch(n) if self.pad_batches else n
         width = max(r.block_size for r in requests)
         fresh = [p.block_size == 0 for p in previous]  # after the prefill: the whole prompt is new context
-        empty = [r.cache[0].length for r, new in zip(requests, fresh) if new]  # newcomers' context, not yet written
+        # newcomers' context length before it is written (their lengths in a stack are after it)
+        before = {row: r.cache[0].length for row, (r, new) in enumerate(zip(requests, fresh)) if new}
         for request, prev, new in zip(requests, previous, fresh):
             if new and rows > 1:
                 self.drafter.write_context(prev.taps, request.cache, prev.keep)
@@ -192,8 +193,8 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         written = [0 if new else ctx_rows for new in fresh]
         with self._stack.stacked(ids, [r.cache for r in requests], ctx_rows, rows, written) as caches:
             lengths = caches[0].length.reshape(-1)
-            ctx_before = mx.stack([empty.pop(0) if new else lengths[i] for i, new in enumerate(fresh)]) \
-                if any(fresh) and rows > 1 else lengths[:n]
+            ctx_before = mx.stack([before[row] if row in before else lengths[row] for row in range(n)]) \
+                if before and rows > 1 else lengths[:n]
             hidden = self.drafter.hidden(tokens, ctx, caches, keep=keep, block_lens=block_lens)
             ctx_after = caches[0].length.reshape(-1)[:n]
         if width > 1:

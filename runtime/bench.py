@@ -5,14 +5,15 @@
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round),
 ``pipelined`` (round N+1 queued before round N is read) and ``pipelined2`` (rounds N+1 and
-N+2 queued before round N is read) modes; ``dflash`` in the JSON is the pipelined engine. After a warm-up (kernel builds and compiled-step traces are
-not timed), each prompt runs through every mode back to back before the next prompt, and
-the whole set ``--repeat`` times: the modes share the machine's slow and fast phases, so
-their ratios hold even where absolute timings drift. Reported per mode, over all its runs
-and per run: decode tokens/s (after the first token), time to first token, mean acceptance length tau, acceptance per block position,
-GPU idle time between rounds, the speedup over plain decoding, and whether every output
-equals plain greedy. ``--log`` appends the engine runs' round logs (both modes) to PATH,
-for ``python -m runtime.replay``.
+N+2 queued before round N is read) modes; ``dflash`` in the JSON is the pipelined engine.
+After a warm-up (kernel builds and compiled-step traces are not timed), each prompt runs
+through every mode back to back before the next prompt, and the whole set ``--repeat``
+times: the modes share the machine's slow and fast phases, so their ratios hold even where
+absolute timings drift. Reported per mode, over all its runs and per run: decode tokens/s
+(after the first token), time to first token, mean acceptance length tau, acceptance per
+block position, GPU idle time between rounds, the speedup over plain decoding, and whether
+every output equals plain greedy. ``--log`` appends the engine runs' round logs (every
+engine mode) to PATH, for ``python -m runtime.replay``.
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
         dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
         sequential = modes["sequential"]["tokens_per_s"] or 1.0
         report.update(sequential=modes["sequential"], dflash=dflash, pipelined2=modes["pipelined2"],
-                      pipelined_over_sequential=round(dflash["tokens_per_s"] / sequential, 3),
-                      pipelined2_over_sequential=round(modes["pipelined2"]["tokens_per_s"] / sequential, 3))
+                      **{f"{mode}_over_sequential": round(modes[mode]["tokens_per_s"] / sequential, 3)
+                         for mode in ("pipelined", "pipelined2")})
     return report
 
 
