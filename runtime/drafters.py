@@ -32,6 +32,7 @@ def random_drafter(target: LoadedModel, layers: int = 5, block_size: int = 16, s
     drafter = DFlashDrafter(args)
     drafter.set_dtype(DTYPES.get(target.compute_dtype, mx.float32))
     mx.eval(drafter.parameters())
+    drafter.fuse_projections()
     return drafter.bind(target.model)
 
 

@@ -418,8 +418,12 @@ def load_target(path: str | Path, dtype: str = "auto", fuse: bool = True) -> Loa
 # ---------------------------------------------------------------- DFlash drafters
 
 
-def load_drafter(path: str | Path, target: LoadedModel) -> DFlashDrafter:
-    """Load a z-lab-format drafter folder, in the target's compute dtype, bound to it."""
+def load_drafter(path: str | Path, target: LoadedModel, fuse: bool = True) -> DFlashDrafter:
+    """Load a z-lab-format drafter folder, in the target's compute dtype, bound to it.
+
+    ``fuse``: for inference, fewer ops per draft (``DFlashDrafter.fuse_projections``);
+    a drafter to train further is loaded with fuse=False.
+    """
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a drafter folder (config.json + model.safetensors)")
@@ -431,4 +435,6 @@ def load_drafter(path: str | Path, target: LoadedModel) -> DFlashDrafter:
     drafter.load_weights([(k, v.astype(dtype)) for k, v in tensors.items()], strict=True)
     mx.eval(drafter.parameters())
     drafter.eval()
+    if fuse:
+        drafter.fuse_projections()
     return drafter.bind(target.model)

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     run = prepare(args)
     dtype = DTYPES[run.dtype]
     if args.init is not None:
-        drafter = load_drafter(args.init, run.target)  # checks the pair; weights in the compute dtype
+        drafter = load_drafter(args.init, run.target, fuse=False)  # checks the pair; weights in the compute dtype
     else:
         drafter = new_drafter(run.config, args.seed, dtype).bind(run.target.model)
     print(summary(run, args, parameter_count(drafter)))

@@ -200,22 +200,47 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(gate) * up)
 
 
+class TransposedLinear(nn.Module):
+    """A dense projection whose weight is stored ``[in, out]``: ``x @ weight_t``.
+
+    ``nn.Linear`` computes ``x @ weight.T``, one Transpose op per call, and a matmul of
+    3D input adds a Flatten and an Unflatten: on a GPU each op costs host time, so
+    inference models (rows kept 2D, as the drafter does) get one Matmul per projection.
+    """
+
+    def __init__(self, weight_t: mx.array, bias: mx.array | None = None) -> None:
+        super().__init__()
+        self.weight_t = mx.contiguous(weight_t)
+        if bias is not None:
+            self.bias = bias
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "TransposedLinear":
+        return cls(linear.weight.T, linear.bias if "bias" in linear else None)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            return mx.addmm(self.bias, x, self.weight_t)
+        return x @ self.weight_t
+
+
 def concatenated(parts: Sequence[nn.Module]) -> nn.Module | None:
     """One projection whose outputs are ``parts``' outputs side by side; None if they differ in kind.
 
     Output rows are independent in a matmul (and in a quantized one, whose groups run along
     the input), so stacking the weights' rows gives each part's own result, with one op
     where there were several: on a GPU each op costs host time (runtime.models.steps).
+    Dense parts become a ``TransposedLinear``.
     """
     first = parts[0]
     if all(type(p) is nn.Linear for p in parts):
-        fused: nn.Module = nn.Linear(1, 1, bias="bias" in first)
-    elif all(type(p) is nn.QuantizedLinear and (p.group_size, p.bits, p.mode) == (first.group_size, first.bits, first.mode)
-             for p in parts):
-        fused = nn.QuantizedLinear(first.group_size, 1, bias="bias" in first, group_size=first.group_size,
-                                   bits=first.bits, mode=first.mode)
-    else:
+        bias = mx.concatenate([p.bias for p in parts]) if "bias" in first else None
+        return TransposedLinear(mx.concatenate([p.weight for p in parts], axis=0).T, bias)
+    if not all(type(p) is nn.QuantizedLinear and (p.group_size, p.bits, p.mode) == (first.group_size, first.bits, first.mode)
+               for p in parts):
         return None
+    fused = nn.QuantizedLinear(first.group_size, 1, bias="bias" in first, group_size=first.group_size,
+                               bits=first.bits, mode=first.mode)
     for name, value in first.items():
         if isinstance(value, mx.array):
             fused[name] = mx.concatenate([p[name] for p in parts], axis=0)

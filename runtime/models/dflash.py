@@ -24,10 +24,13 @@ import mlx.nn as nn
 
 from ..cache import DeviceKVCache, KVCache, advance_layers, bucketed, cache_arrays, traced_caches
 from ..errors import CheckpointError, UnsupportedArchitectureError
-from .base import MLP, DecoderModel, RoPE
+from .base import MLP, DecoderModel, RoPE, TransposedLinear, concatenated
 from .steps import CompiledSteps, default_compile_steps, traceable
 
 ARCHITECTURE = "DFlashDraftModel"
+
+# (b, L): the drafter's layers run on rows [b*L, H], so its projections are 2D matmuls
+Rows = tuple[int, int]
 
 
 @dataclass
@@ -172,56 +175,74 @@ class DrafterAttention(nn.Module):
         roped = self.rope(rows, anchors)
         return roped.reshape(b, n_blocks, heads, block, d).transpose(0, 2, 1, 3, 4).reshape(b, heads, length, d)
 
-    def _keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """Normed keys (before RoPE) and values ``[b, kv_heads, L, D]``: shared by ctx and block."""
-        b, length, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(b, length, self.n_kv_heads, self.head_dim)
-        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    def _heads(self, x: mx.array, shape: Rows, heads: int) -> mx.array:
+        b, length = shape
+        return x.reshape(b, length, heads, self.head_dim).transpose(0, 2, 1, 3)
 
-    def context_kv(self, h_ctx: mx.array, first_position: int) -> tuple[mx.array, mx.array]:
+    def _projections(self, x: mx.array, shape: Rows, queries: bool = True) -> tuple[mx.array | None, mx.array, mx.array]:
+        """q, k and v ``[b, heads, L, D]`` of rows ``x [b*L, H]`` (q and k normed, before RoPE).
+
+        Fused for inference (``fuse_projections``): one matmul, whose q part context rows
+        do not need (16 rows: cheaper than a second op). Else context rows skip q.
+        """
+        if "qkv_proj" in self:
+            q, k, v = mx.split(self._heads(self.qkv_proj(x), shape, self.n_heads + 2 * self.n_kv_heads),
+                               [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+        else:
+            q = self._heads(self.q_proj(x), shape, self.n_heads) if queries else None
+            k, v = (self._heads(p(x), shape, self.n_kv_heads) for p in (self.k_proj, self.v_proj))
+        return (self.q_norm(q) if queries else None), self.k_norm(k), v
+
+    def fuse_projections(self) -> None:
+        """Inference: q/k/v in one pre-transposed matmul, o as one (the HF names are gone after it)."""
+        self.qkv_proj = concatenated([self.q_proj, self.k_proj, self.v_proj])
+        self.o_proj = TransposedLinear.of(self.o_proj)
+        del self["q_proj"], self["k_proj"], self["v_proj"]
+
+    def context_kv(self, h_ctx: mx.array, shape: Rows, first_position: int | mx.array) -> tuple[mx.array, mx.array]:
         """Context keys (RoPE at their tokens' positions, from ``first_position``) and values."""
-        k, v = self._keys_values(h_ctx)
+        _, k, v = self._projections(h_ctx, shape, queries=False)
         return self.rope(k, first_position), v
 
     def attend_blocks(
-        self, x: mx.array, anchors: int | mx.array, ctx_kv: tuple[mx.array, mx.array] | None,
+        self, x: mx.array, shape: Rows, anchors: int | mx.array, ctx_kv: tuple[mx.array, mx.array] | None,
         mask: mx.array | None,
     ) -> mx.array:
         """Block queries over keys ``[ctx ; every block]``, blocks laid end to end in ``x``.
 
-        Inference passes one block and its anchor position (an int); training passes many
-        blocks, ``anchors`` ``[b * n_blocks]``, and a mask that keeps each block to its own
-        context and itself. Both run this same projection, norm, RoPE and attention.
+        ``x`` holds rows ``[b*L, H]`` of ``shape (b, L)``. Inference passes one block and
+        its anchor position (an int); training passes many blocks, ``anchors``
+        ``[b * n_blocks]``, and a mask that keeps each block to its own context and
+        itself. Both run this same projection, norm, RoPE and attention.
         """
-        b, length, _ = x.shape
+        b, length = shape
         n_blocks = 1 if isinstance(anchors, int) else anchors.size // b
-        q = self.q_norm(self.q_proj(x).reshape(b, length, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        k, v = self._keys_values(x)
+        q, k, v = self._projections(x, shape)
+        assert q is not None
         q, k = self._rope_blocks(q, anchors, n_blocks), self._rope_blocks(k, anchors, n_blocks)
         if ctx_kv is not None:
             k, v = mx.concatenate([ctx_kv[0], k], axis=2), mx.concatenate([ctx_kv[1], v], axis=2)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b * length, -1))
 
-    def add_context(self, h_ctx: mx.array, cache: KVCache | DeviceKVCache) -> None:
+    def add_context(self, h_ctx: mx.array, shape: Rows, cache: KVCache | DeviceKVCache) -> None:
         """New context rows into the cache (a device cache's valid length advances after every layer's write)."""
         if isinstance(cache, KVCache):
-            cache.update_and_fetch(*self.context_kv(h_ctx, cache.offset))
+            cache.update_and_fetch(*self.context_kv(h_ctx, shape, cache.offset))
             return
-        cache.write(*self.context_kv(h_ctx, cache.length))
+        cache.write(*self.context_kv(h_ctx, shape, cache.length))
 
     def mask(self, cache: KVCache | DeviceKVCache, block_len: int, block_lens: mx.array | None) -> mx.array | None:
         """This layer kind's block mask over the cache's context (the same for every layer's cache)."""
         anchor_pos, extent = context_span(cache)
         return block_mask(anchor_pos, block_len, self.causal, self.window, ctx_extent=extent, block_lens=block_lens)
 
-    def __call__(self, x: mx.array, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
+    def __call__(self, x: mx.array, shape: Rows, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
         anchor_pos, extent = context_span(cache)
         ctx_kv = None
         if extent and cache.keys is not None and cache.values is not None:
             ctx_kv = (cache.keys[..., :extent, :], cache.values[..., :extent, :])
-        return self.attend_blocks(x, anchor_pos, ctx_kv, mask)
+        return self.attend_blocks(x, shape, anchor_pos, ctx_kv, mask)
 
 
 def context_span(cache: KVCache | DeviceKVCache) -> tuple[int | mx.array, int]:
@@ -250,13 +271,19 @@ class DrafterLayer(nn.Module):
         h = h + attend(self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def __call__(self, h: mx.array, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
-        return self._residual(h, lambda x: self.self_attn(x, cache, mask))
+    def __call__(self, h: mx.array, shape: Rows, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
+        return self._residual(h, lambda x: self.self_attn(x, shape, cache, mask))
 
-    def forward_blocks(self, h: mx.array, h_ctx: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+    def forward_blocks(self, h: mx.array, shape: Rows, h_ctx: mx.array, ctx_shape: Rows, anchors: mx.array,
+                       mask: mx.array) -> mx.array:
         """Training: many blocks over one whole context (positions from 0), kept apart by ``mask``."""
         attn = self.self_attn
-        return self._residual(h, lambda x: attn.attend_blocks(x, anchors, attn.context_kv(h_ctx, 0), mask))
+        return self._residual(h, lambda x: attn.attend_blocks(x, shape, anchors, attn.context_kv(h_ctx, ctx_shape, 0), mask))
+
+    def fuse_projections(self) -> None:
+        self.self_attn.fuse_projections()
+        self.mlp.fuse_projections()
+        self.mlp.down_proj = TransposedLinear.of(self.mlp.down_proj)
 
 
 class DFlashDrafter(nn.Module):
@@ -327,7 +354,8 @@ class DFlashDrafter(nn.Module):
 
     def _hidden(self, block: mx.array, ctx_features: mx.array | None, cache: Sequence[KVCache] | Sequence[DeviceKVCache],
                 keep: mx.array | None = None, block_lens: mx.array | None = None) -> mx.array:
-        h = self._embed_block(block)
+        shape: Rows = block.shape  # type: ignore[assignment]
+        h = self._embed_block(block.reshape(-1))
         if ctx_features is not None and ctx_features.shape[1]:
             self.write_context(ctx_features, cache, keep)
         # one mask per layer kind, not per layer: they depend on the context length alone
@@ -336,21 +364,23 @@ class DFlashDrafter(nn.Module):
             attn = layer.self_attn
             kind = (attn.causal, attn.window)
             if kind not in masks:
-                masks[kind] = attn.mask(layer_cache, block.shape[1], block_lens)
-            h = layer(h, layer_cache, masks[kind])
-        return self.norm(h)
+                masks[kind] = attn.mask(layer_cache, shape[1], block_lens)
+            h = layer(h, shape, layer_cache, masks[kind])
+        return self.norm(h).reshape(*shape, -1)
 
-    def context_features(self, ctx_features: mx.array) -> mx.array:
-        return self.hidden_norm(self.fc(ctx_features))
+    def context_features(self, ctx_features: mx.array) -> tuple[mx.array, Rows]:
+        """The projected context rows ``[b*C, H]`` of taps ``[b, C, n_taps*H]``, and ``(b, C)``."""
+        b, c, features = ctx_features.shape
+        return self.hidden_norm(self.fc(ctx_features.reshape(b * c, features))), (b, c)
 
     def write_context(self, ctx_features: mx.array, cache: Sequence[KVCache] | Sequence[DeviceKVCache],
                       keep: mx.array | None) -> None:
         """Only the context part of ``hidden``: the new rows enter every layer's cache."""
-        h_ctx = self.context_features(ctx_features)
+        h_ctx, shape = self.context_features(ctx_features)
         for layer, layer_cache in zip(self.layers, cache):
-            layer.self_attn.add_context(h_ctx, layer_cache)
+            layer.self_attn.add_context(h_ctx, shape, layer_cache)
         if cache and isinstance(cache[0], DeviceKVCache):
-            advance_layers(cache, keep if keep is not None else h_ctx.shape[1])  # type: ignore[arg-type]
+            advance_layers(cache, keep if keep is not None else shape[1])  # type: ignore[arg-type]
 
     def training_hidden(self, blocks: mx.array, anchors: mx.array, ctx_features: mx.array, mask: mx.array) -> mx.array:
         """Post-norm hidden ``[b, n*B, H]`` of n blocks per sequence, all in one forward.
@@ -366,20 +396,33 @@ class DFlashDrafter(nn.Module):
                 "training supports full-attention drafter layers only (no causal or sliding layers): "
                 "drop layer_types/is_causal from the drafter config"
             )
-        h = self._embed_block(blocks)
-        h_ctx = self.context_features(ctx_features)
+        shape: Rows = blocks.shape  # type: ignore[assignment]
+        h = self._embed_block(blocks.reshape(-1))
+        h_ctx, ctx_shape = self.context_features(ctx_features)
         for layer in self.layers:
-            h = layer.forward_blocks(h, h_ctx, anchors.reshape(-1), mask)
-        return self.norm(h)
+            h = layer.forward_blocks(h, shape, h_ctx, ctx_shape, anchors.reshape(-1), mask)
+        return self.norm(h).reshape(*shape, -1)
+
+    def fuse_projections(self) -> None:
+        """For inference: each layer's q/k/v and gate/up in one matmul, every weight stored
+        transposed (``TransposedLinear``); the HF names are gone after it, so a fused drafter
+        is neither trained nor saved."""
+        self.fc = TransposedLinear.of(self.fc)
+        for layer in self.layers:
+            layer.fuse_projections()
+        mx.eval(self.parameters())  # once, here: lazy concatenations would be recomputed by every draft
 
     def _embed_block(self, tokens: mx.array) -> mx.array:
         if self._embed is None:
             raise CheckpointError("the drafter is not bound to a target: call drafter.bind(target)")
-        return self._embed(tokens) * self.args.input_embedding_scale
+        scale = self.args.input_embedding_scale
+        return self._embed(tokens) * scale if scale != 1.0 else self._embed(tokens)  # no op for a no-op
 
     def logits(self, hidden: mx.array) -> mx.array:
         assert self._head is not None
-        logits = self._head(hidden) * self.args.output_multiplier
+        logits = self._head(hidden)
+        if self.args.output_multiplier != 1.0:
+            logits = logits * self.args.output_multiplier
         cap = self.args.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap
