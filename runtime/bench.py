@@ -1,6 +1,7 @@
 """``python -m runtime.bench``: plain decoding against DFlash on the same prompts, one table.
 
-    python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH] [--repeat N] [--no-engine]
+    python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH] [--repeat N]
+                            [--concurrency N] [--no-engine]
 
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round),
@@ -11,9 +12,13 @@ through every mode back to back before the next prompt, and the whole set ``--re
 times: the modes share the machine's slow and fast phases, so their ratios hold even where
 absolute timings drift. Reported per mode, over all its runs and per run: decode tokens/s
 (after the first token), time to first token, mean acceptance length tau, acceptance per
-block position, GPU idle time between rounds, the speedup over plain decoding, and whether
-every output equals plain greedy. ``--log`` appends the engine runs' round logs (every
-engine mode) to PATH, for ``python -m runtime.replay``.
+block position, GPU idle time between rounds (a lower bound: the time in which no round
+was queued; a device that drains its queue faster than the host fills it idles too, which
+this does not see), the speedup over plain decoding, and whether every output equals
+plain greedy. ``--concurrency N`` runs the engine modes on groups of N prompts at once
+(their rounds batched into shared forwards: tokens/s is then the group's aggregate, and
+the speedup compares it with one plain stream). ``--log`` appends the engine runs' round
+logs (every engine mode) to PATH, for ``python -m runtime.replay``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import mlx.core as mx
@@ -104,14 +109,47 @@ async def run_engine(target: LoadedModel, drafter: DFlashDrafter, prompts: list[
         return results
 
 
-def engine_summary(results: list[tuple[list[int], TokenEvent]]) -> dict[str, Any]:
+class EngineGroup(NamedTuple):
+    """Requests run at once through one engine, and their decode span."""
+
+    results: list[tuple[list[int], TokenEvent]]
+    decode_s: float  # from the group's first token to its last, as the caller received them
+
+
+async def run_together(target: LoadedModel, drafter: DFlashDrafter, prompts: list[list[int]], params: GenerationParams,
+                       mode: str, log: Path | None = None) -> EngineGroup:
+    """All the prompts at once through one engine (their rounds share batched forwards)."""
+    results: list[tuple[list[int], TokenEvent] | None] = [None] * len(prompts)
+    first: list[float] = []
+    last: list[float] = []
+
+    async def one(i: int, ids: list[int], engine: Engine) -> None:
+        tokens: list[int] = []
+        async for event in engine.generate(ids, params):
+            if event.token_ids and not tokens:
+                first.append(time.perf_counter())
+            tokens += event.token_ids
+        last.append(time.perf_counter())
+        results[i] = (tokens, event)
+
+    async with Engine(target, drafter, mode=mode, log=log) as engine, anyio.create_task_group() as group:
+        for i, ids in enumerate(prompts):
+            group.start_soon(one, i, ids, engine)
+    return EngineGroup([r for r in results if r is not None], max(last) - min(first) if first else 0.0)
+
+
+def engine_summary(groups: list[EngineGroup]) -> dict[str, Any]:
+    """Decode tokens/s over the groups' spans (concurrent requests: aggregate throughput); rounds,
+    round time and idle time per request."""
+    results = [r for g in groups for r in g.results]
+    span = sum(g.decode_s for g in groups)
     decode = sum(e.timings["decode_s"] for _, e in results)
     tokens = sum(max(0, len(t) - 1) for t, _ in results)
     rounds = sum(int(e.stats["rounds"]) for _, e in results)  # type: ignore[arg-type]
     accepted = sum(float(e.stats["tau"]) * int(e.stats["rounds"]) for _, e in results)  # type: ignore[arg-type]
     idle = sum(e.timings["gpu_idle_s"] for _, e in results)
     return {
-        "tokens_per_s": round(tokens / decode, 2) if decode else 0.0,
+        "tokens_per_s": round(tokens / span, 2) if span else 0.0,
         "ttft_ms": round(1e3 * statistics.mean(e.timings["ttft_s"] for _, e in results), 2),
         "tau": round(accepted / rounds, 3) if rounds else 0.0,
         "rounds": rounds,
@@ -122,16 +160,20 @@ def engine_summary(results: list[tuple[list[int], TokenEvent]]) -> dict[str, Any
 
 
 def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tuple[str, list[int]]],
-          params: GenerationParams, log: Path | None = None, engine: bool = True, repeat: int = 1) -> dict[str, Any]:
+          params: GenerationParams, log: Path | None = None, engine: bool = True, repeat: int = 1,
+          concurrency: int = 1) -> dict[str, Any]:
     """Every mode on every prompt; with no drafter, plain decoding alone; without ``engine``,
-    plain decoding and the reference loop (tau and exactness, quickly on a CPU)."""
+    plain decoding and the reference loop (tau and exactness, quickly on a CPU).
+    ``concurrency``: the engine modes run that many prompts at once."""
+    if concurrency < 1:
+        raise RequestError("concurrency", f"must be at least 1, got {concurrency}")
     ids = [p for _, p in prompts]
-    warm_up(target, drafter, ids, params, engine)
-    runs = timed_runs(target, drafter, ids, params, repeat, engine, log)
+    warm_up(target, drafter, ids, params, engine, concurrency)
+    runs = timed_runs(target, drafter, ids, params, repeat, engine, log, concurrency)
     plain = runs.pop("plain")
     report: dict[str, Any] = {
         "device": str(mx.default_device()), "dtype": target.compute_dtype, "quantized": target.quantized,
-        "max_tokens": params.max_tokens, "prompts": len(prompts), "repeat": repeat,
+        "max_tokens": params.max_tokens, "prompts": len(prompts), "repeat": repeat, "concurrency": concurrency,
         "plain": {**aggregate(pooled(plain)), "runs_tokens_per_s": [aggregate(run)["tokens_per_s"] for run in plain]},
     }
     if drafter is not None:
@@ -142,11 +184,12 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
 
 
 def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
-            engine: bool) -> None:
+            engine: bool, concurrency: int = 1) -> None:
     """Build every kernel and compiled step the timed runs need, so no mode pays for them.
 
     The engines decode the shortest and the longest prompt to the full length, so the
-    compiled steps of every buffer size the timed runs reach are traced beforehand.
+    compiled steps of every buffer size the timed runs reach are traced beforehand (and,
+    with concurrency, a first group at the batch size the timed groups use).
     """
     warm = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, 24))
     run_plain(target, ids[0], warm)
@@ -157,23 +200,29 @@ def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[i
         for mode in MODES:
             anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
         anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, "sequential")
+        if concurrency > 1:
+            for mode in MODES:
+                anyio.run(run_together, target, drafter, ids[:concurrency], params, mode)
 
 
 def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
-               repeat: int, engine: bool, log: Path | None) -> dict[str, list[list[Any]]]:
-    """Each mode's results, per repeat and prompt. Every prompt goes through all the modes back
-    to back before the next prompt starts: a slow phase of the machine (host timings on the GPU
-    machine drift by tens of percent within seconds) then falls on every mode alike."""
+               repeat: int, engine: bool, log: Path | None, concurrency: int = 1) -> dict[str, list[list[Any]]]:
+    """Each mode's results, per repeat and prompt (engine modes: per group of ``concurrency``
+    prompts). Every group goes through all the modes back to back before the next starts: a
+    slow phase of the machine (host timings on the GPU machine drift by tens of percent within
+    seconds) then falls on every mode alike. Plain decoding and the reference loop take a
+    group's prompts one at a time."""
     modes = ["plain"] + (["reference"] if drafter is not None else []) + (list(MODES) if drafter is not None and engine else [])
     runs: dict[str, list[list[Any]]] = {mode: [[] for _ in range(repeat)] for mode in modes}
+    groups = [ids[i : i + concurrency] for i in range(0, len(ids), concurrency)]
     for r in range(repeat):
-        for prompt in ids:
-            runs["plain"][r].append(run_plain(target, prompt, params))
+        for group in groups:
+            runs["plain"][r] += [run_plain(target, prompt, params) for prompt in group]
             if drafter is None:
                 continue
-            runs["reference"][r].append(run_dflash(target, drafter, prompt, params))
+            runs["reference"][r] += [run_dflash(target, drafter, prompt, params) for prompt in group]
             for mode in MODES if engine else ():
-                runs[mode][r] += anyio.run(run_engine, target, drafter, [prompt], params, mode, log)
+                runs[mode][r].append(anyio.run(run_together, target, drafter, group, params, mode, log))
     return runs
 
 
@@ -186,7 +235,7 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
     """Tokens/s of each mode over all its runs (and per run), tau, round costs and exactness."""
     reference = runs.pop("reference")
     outputs = {"reference": [[r.token_ids for r, _ in run] for run in reference],
-               **{mode: [[t for t, _ in run] for run in done] for mode, done in runs.items()}}
+               **{mode: [[t for g in run for t, _ in g.results] for run in done] for mode, done in runs.items()}}
     # a prompt counts as equal when every repeat of the mode gave plain greedy's output; in
     # half precision a block verify and one-token forwards round differently, so near-ties
     # may flip: how many outputs still equal plain greedy says how often
@@ -213,6 +262,7 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
 def print_table(report: dict[str, Any]) -> None:
     print(f"device {report['device']} ({report['dtype']}{', quantized' if report['quantized'] else ''}), "
           f"{report['prompts']} prompts, max_tokens {report['max_tokens']}, block {report.get('block_size', '-')}, "
+          f"engine concurrency {report['concurrency']}, "
           f"load {report.get('load_s', 0):.1f} s")
     print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'= plain':>7}")
     plain_speed = report["plain"]["tokens_per_s"] or 1.0
@@ -242,6 +292,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log", type=Path, help="append the engine runs' round logs (JSON lines) to this file")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every mode this many times over the prompts; each reports all its runs pooled, and each run")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="the engine modes run this many prompts at once (their rounds batched into shared forwards); "
+                             "plain and reference stay one at a time")
     parser.add_argument("--no-engine", action="store_true",
                         help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")
     return parser.parse_args(argv)
@@ -254,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     load_s = time.perf_counter() - started
     drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
-    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log, not args.no_engine, args.repeat)}
+    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log,
+                                                   not args.no_engine, args.repeat, args.concurrency)}
     print_json(report) if args.json else print_table(report)
 
 

@@ -74,3 +74,28 @@ def test_bench_without_the_engine_reports_tau_and_exactness_of_the_reference_loo
     assert "sequential" not in report and "dflash" not in report
     assert report["reference"]["tau"] >= 1.0 and report["equal_outputs_per_mode"] == {"reference": 3}
     assert report["speedup"] == pytest.approx(report["reference"]["tokens_per_s"] / report["plain"]["tokens_per_s"], rel=1e-2)
+
+
+def test_bench_concurrency_runs_engine_groups_at_once_with_equal_outputs(
+        tiny_llama_dir: Path, tiny_drafter_dir: Path, prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.replay.reading import read_log
+
+    log = tmp_path / "bench.jsonl"
+    bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),
+                "--max-tokens", "10", "--block-size", "4", "--dtype", "float32", "--json", "--concurrency", "2",
+                "--log", str(log)])
+    report = json.loads(capsys.readouterr().out)
+    assert report["concurrency"] == 2
+    assert report["equal_outputs_per_mode"] == {"reference": 3, "sequential": 3, "pipelined": 3, "pipelined2": 3}
+    batches = [r.batch_size for q in read_log(log).requests.values() for r in q.rounds]
+    assert max(batches) == 2  # a group of two shared forwards; the third prompt ran alone
+    for key in ("sequential", "dflash", "pipelined2"):
+        assert report[key]["tokens_per_s"] > 0
+
+
+def test_bench_refuses_a_concurrency_below_one(tiny_llama_dir: Path, tiny_drafter_dir: Path, prompts: Path) -> None:
+    from runtime.errors import RequestError
+
+    with pytest.raises(RequestError, match="concurrency"):
+        bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),
+                    "--max-tokens", "4", "--dtype", "float32", "--concurrency", "0"])
