@@ -7,7 +7,7 @@
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -46,6 +46,19 @@ for step, row in json.load(open(sys.argv[1]))["compiled"]["parts"].items():
     print(step, {k: v for k, v in row.items() if k != "top_ops"}, row.get("top_ops", ""), flush=True)
 PY
       ;;
+    tune)  # MLX's CUDA graphs: ops per graph (MLX_MAX_OPS_PER_BUFFER, MLX's default 20) and graphs kept
+      # (MLX_CUDA_GRAPH_CACHE_SIZE): each graph's update and launch is host time a round pays
+      for setting in "20 100" "20 1000" "60 1000" "120 1000" "240 1000"; do
+        read -r ops kept <<< "$setting"
+        MLX_MAX_OPS_PER_BUFFER=$ops MLX_CUDA_GRAPH_CACHE_SIZE=$kept python3 -m runtime.profile --dtype native --draft random:5 \
+          --compile on --no-engine > "$OUT/profile-ops$ops-kept$kept.json"
+        python3 - "$OUT/profile-ops$ops-kept$kept.json" "ops/graph $ops, graphs kept $kept" <<'PY'
+import json, sys
+parts = json.load(open(sys.argv[1]))["compiled"]["parts"]
+print(sys.argv[2], "|", " | ".join(f"{step} host {row['host_ms']} synced {row.get('synced_ms', row.get('per_step_ms'))}"
+                                   for step, row in parts.items()), flush=True)
+PY
+      done ;;
     plain)
       bench plain-q4 --draft none --dtype native
       bench plain-bf16 --draft none --dtype bfloat16 ;;

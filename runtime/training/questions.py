@@ -1,0 +1,104 @@
+"""``python -m runtime.training.questions``: chat prompts that the target writes itself.
+
+    python -m runtime.training.questions --out runs/prompts/self-chat.jsonl [--model M] [--batch-size 64] [--limit N]
+
+Chat is where the package corpora teach a drafter least: chatterbot's lines are few, and
+the held-out chat set is made of them. So the target is asked, greedily, to write what a
+person might ask or tell a chatbot about a topic (topics: chatterbot's categories and the
+words of gensim's analogy list), and the question in each reply becomes a user prompt.
+Its responses are then regenerated like every other prompt's (``python -m runtime.train
+--data FILE``, or ``runtime.training.export --base OLD --data FILE`` to add them to a set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..cli import add_model_arguments, run_cli
+from ..defaults import default_model_path
+from ..loading import LoadedModel, load_target
+from .corpora import package_file, user_prompt
+from .data import greedy_batch, length_sorted_batches, render_prompt
+
+# what the target is asked to write, about each topic
+ASKS = (
+    "Write one short question that a person might ask a chatbot about {}. Reply with the question only.",
+    "Write one short trivia question about {}. Reply with the question only.",
+    "Write one thing a person might say to a friendly chatbot about {}. Reply with that sentence only.",
+    "Write one question a curious child might ask about {}. Reply with the question only.",
+)
+# chatterbot-corpus file stems, as a person would name them
+CATEGORY_TOPICS = {"ai": "artificial intelligence", "botprofile": "the chatbot itself", "conversations": "everyday life",
+                   "emotion": "feelings", "gossip": "gossip", "tech_support": "tech support"}
+MAX_REPLY_TOKENS = 48
+QUOTED = re.compile(r'"([^"\n]{8,200})"')
+LEAD_IN = re.compile(r"^[\w ,']{0,40}(?:ask|say|question)[\w ]{0,12}:\s*", re.IGNORECASE)
+
+
+def topics() -> list[str]:
+    """chatterbot's categories, then each word of gensim's analogy list, once."""
+    found: dict[str, None] = {}
+    chatterbot = package_file("chatterbot-corpus", "chatterbot_corpus/data/english")
+    for path in sorted(chatterbot.glob("*.yml")):
+        found[CATEGORY_TOPICS.get(path.stem, path.stem.replace("_", " "))] = None
+    analogies = package_file("gensim", "gensim/test/test_data/questions-words.txt")
+    for line in analogies.read_text(encoding="utf-8").splitlines():
+        if not line.startswith(":"):
+            found.update(dict.fromkeys(line.split()))
+    return list(found)
+
+
+def extract_question(reply: str) -> str | None:
+    """The question (or remark) in the target's reply: its first quoted sentence, else its first
+    line without a lead-in such as "A person might ask:"; None for placeholders, fragments and
+    sentences cut short."""
+    quoted = QUOTED.search(reply)
+    text = quoted.group(1) if quoted else LEAD_IN.sub("", next((l for l in reply.splitlines() if l.strip()), ""))
+    text = text.strip().strip('"').strip()
+    if not 8 <= len(text) <= 200 or "[" in text or "{" in text or text[-1] not in ".?!":
+        return None  # too short or long, a placeholder, or cut off by the reply's token limit
+    return text
+
+
+def ask_prompts(limit: int | None = None) -> list[str]:
+    """Every ask about every topic, topics in order (a smaller ``limit`` keeps a prefix)."""
+    asks = [ask.format(topic) for topic in topics() for ask in ASKS]
+    return asks[:limit] if limit is not None else asks
+
+
+def write_questions(target: LoadedModel, asks: list[str], out: Path, batch_size: int) -> int:
+    """Ask the target, extract the distinct questions, write them as chat prompts; returns how many."""
+    ids = [render_prompt(user_prompt("self-chat", ask), target.tokenizer) for ask in asks]
+    questions: dict[str, None] = {}
+    with tqdm(total=len(asks), desc="asking the target", unit="ask") as bar:
+        for batch in length_sorted_batches([len(p) for p in ids], batch_size):
+            for reply in greedy_batch(target.model, [ids[i] for i in batch], MAX_REPLY_TOKENS, target.tokenizer.eos_token_ids):
+                question = extract_question(target.tokenizer.decode(reply, skip_special_tokens=True))
+                if question is not None:
+                    questions[question] = None
+            bar.update(len(batch))
+            bar.set_postfix(questions=len(questions))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}, ensure_ascii=False) + "\n"
+                           for q in questions), encoding="utf-8")
+    return len(questions)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m runtime.training.questions", description=__doc__.split("\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch-size", type=int, default=64, help="asks decoded together")
+    parser.add_argument("--limit", type=int, help="only the first N asks")
+    args = parser.parse_args(argv)
+    target = load_target(args.model or default_model_path(), dtype=args.dtype)
+    print(f"{args.out}: {write_questions(target, ask_prompts(args.limit), args.out, args.batch_size)} prompts")
+
+
+if __name__ == "__main__":
+    run_cli(main)
