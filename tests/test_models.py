@@ -174,3 +174,17 @@ def test_fused_projections_give_the_unfused_logits(tmp_path: Path, family: str, 
     a = fused.model(tokens, fused.model.make_cache(), tap_layers=(0, 1)).logits
     b = plain.model(tokens, plain.model.make_cache(), tap_layers=(0, 1)).logits
     assert float(mx.abs(a - b).max()) < 1e-4
+
+
+def test_a_fused_drafter_drafts_as_the_unfused_one_with_fewer_ops(tiny_llama: LoadedModel, tiny_drafter_dir: Path) -> None:
+    from runtime.profile import op_counts
+
+    fused, plain = load_drafter(tiny_drafter_dir, tiny_llama), load_drafter(tiny_drafter_dir, tiny_llama, fuse=False)
+    assert "qkv_proj" in fused.layers[0].self_attn and "q_proj" in plain.layers[0].self_attn
+    width = fused.args.hidden_size * len(fused.tap_layers)
+    ctx = mx.array(np.random.default_rng(0).standard_normal((2, 5, width)).astype(np.float32))
+    block = mx.array([[20] + [fused.args.mask_token_id] * 7, [21] + [fused.args.mask_token_id] * 7])
+    hidden = [d.hidden(block, ctx, d.make_cache()) for d in (fused, plain)]
+    ops = [sum(op_counts([h]).values()) for h in hidden]  # counted before the graphs are evaluated
+    np.testing.assert_allclose(np.array(hidden[0]), np.array(hidden[1]), atol=1e-5, rtol=1e-5)
+    assert ops[0] < ops[1]  # the point of fusing: a projection is one Matmul, not Transpose+Flatten+Matmul+Unflatten

@@ -195,9 +195,11 @@ class DrafterAttention(nn.Module):
 
     def fuse_projections(self) -> None:
         """Inference: q/k/v in one pre-transposed matmul, o as one (the HF names are gone after it)."""
-        self.qkv_proj = concatenated([self.q_proj, self.k_proj, self.v_proj])
+        fused = concatenated([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self["q_proj"], self["k_proj"], self["v_proj"]
         self.o_proj = TransposedLinear.of(self.o_proj)
-        del self["q_proj"], self["k_proj"], self["v_proj"]
 
     def context_kv(self, h_ctx: mx.array, shape: Rows, first_position: int | mx.array) -> tuple[mx.array, mx.array]:
         """Context keys (RoPE at their tokens' positions, from ``first_position``) and values."""
