@@ -57,7 +57,7 @@ class Committer(Actor):
         super().__init__(inbox)
         self.tokenizer, self.n_taps, self.hidden_size = tokenizer, n_taps, hidden_size
         self.requests: dict[str, CommitterRequest] = {}
-        self.log = log or (lambda record: None)
+        self.log = log  # None: no records are built at all
         self.acks: list[ObjectSendStream[ActorMessage]] = []  # drafter and verifier inboxes
         self.verifier: Verifier | None = None
         self.drafter: Drafter | None = None
@@ -179,11 +179,12 @@ class Committer(Actor):
         request.block_sizes.append(facts.block_size)
         request.batch_sizes.append(message.batch_size)
         emission = request.stream.push(facts.committed)
-        self.log(RoundRecord(
-            request_id=message.request_id, time=time.time(), **recorded_facts(facts), speculative=message.speculative,
-            draft_queued=message.draft_queued_at, draft_ready=None, verify_queued=message.verify_queued_at,
-            verify_ready=ready, commit=time.perf_counter(), batch_size=message.batch_size,
-        ))
+        if self.log is not None:
+            self.log(RoundRecord(
+                request_id=message.request_id, time=time.time(), **recorded_facts(facts), speculative=message.speculative,
+                draft_queued=message.draft_queued_at, draft_ready=None, verify_queued=message.verify_queued_at,
+                verify_ready=ready, commit=time.perf_counter(), batch_size=message.batch_size,
+            ))
         await self._emit(message.request_id, request, emission, facts.round, kv=facts.target_kv_after, ctx=facts.drafter_ctx_after)
 
     async def _emit(self, request_id: str, request: CommitterRequest, emission: Emission, round: int, kv: int, ctx: int) -> None:
@@ -214,9 +215,10 @@ class Committer(Actor):
 
     def _log_finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None,
                     discarded: int = 0) -> None:
-        self.log(FinishRecord(request_id=request_id, time=time.time(), finish_reason=reason,
-                              token_ids=list(request.stream.token_ids), text=request.stream.text,
-                              rounds=request.rounds, error=error, discarded_rounds=discarded))
+        if self.log is not None:
+            self.log(FinishRecord(request_id=request_id, time=time.time(), finish_reason=reason,
+                                  token_ids=list(request.stream.token_ids), text=request.stream.text,
+                                  rounds=request.rounds, error=error, discarded_rounds=discarded))
 
     @staticmethod
     def _usage(request: CommitterRequest) -> Usage:
