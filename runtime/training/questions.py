@@ -72,20 +72,23 @@ def ask_prompts(limit: int | None = None) -> list[str]:
 
 
 def write_questions(target: LoadedModel, asks: list[str], out: Path, batch_size: int) -> int:
-    """Ask the target, extract the distinct questions, write them as chat prompts; returns how many."""
+    """Ask the target, extract the distinct questions, write them as chat prompts; returns how many.
+
+    Each batch's new questions are written as they come, so a run cut short keeps its work.
+    """
     ids = [render_prompt(user_prompt("self-chat", ask), target.tokenizer) for ask in asks]
     questions: dict[str, None] = {}
-    with tqdm(total=len(asks), desc="asking the target", unit="ask") as bar:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as handle, tqdm(total=len(asks), desc="asking the target", unit="ask") as bar:
         for batch in length_sorted_batches([len(p) for p in ids], batch_size):
             for reply in greedy_batch(target.model, [ids[i] for i in batch], MAX_REPLY_TOKENS, target.tokenizer.eos_token_ids):
                 question = extract_question(target.tokenizer.decode(reply, skip_special_tokens=True))
-                if question is not None:
+                if question is not None and question not in questions:
                     questions[question] = None
+                    handle.write(json.dumps({"messages": [{"role": "user", "content": question}]}, ensure_ascii=False) + "\n")
+            handle.flush()
             bar.update(len(batch))
             bar.set_postfix(questions=len(questions))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}, ensure_ascii=False) + "\n"
-                           for q in questions), encoding="utf-8")
     return len(questions)
 
 
