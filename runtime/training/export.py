@@ -7,8 +7,9 @@ The GPU machine has none of the corpus packages, so prompts travel to it as a fi
 ``python -m runtime.train --data FILE`` reads. Held-out prompts (by hash, as the trainer
 splits) are never written, nor HumanEval look-alikes: a ``def`` line of HumanEval's or one
 of its function names (its package, when installed, is read for that check only). With
-``--base``, that file's lines come first, unchanged, and only prompts it does not already
-hold are added: a larger set keeps every response already regenerated for the smaller one.
+``--base``, that file's lines come first, unchanged (but for HumanEval look-alikes, dropped),
+and only prompts it does not already hold are added: a larger set keeps every response
+already regenerated for the smaller one.
 ``--per-source`` caps what each source adds; ``--max-chars``/``--doctest-or-under`` keep
 raw-text code prompts short, or with a ``>>>`` example, as HumanEval's are.
 """
@@ -90,10 +91,16 @@ def export(sources: list[str], samples: int, out: Path, base: Path | None = None
     what it adds after the filters; ``max_chars``/``doctest_or_under`` keep only
     HumanEval-shaped raw-text prompts (``humaneval_shaped``).
     """
-    base_lines = [line for line in base.read_text(encoding="utf-8").splitlines() if line.strip()] if base else []
-    seen = {p.content() for p in (record_prompt(json.loads(line), "base") for line in base_lines) if p is not None}
     look_alike = humaneval_look_alike()
     counts: Counter[str] = Counter()
+    base_lines = []
+    for line in (base.read_text(encoding="utf-8").splitlines() if base else []):
+        prompt = record_prompt(json.loads(line), "base") if line.strip() else None
+        if prompt is not None and prompt.text and look_alike(prompt.text):
+            counts["dropped from the base: a HumanEval look-alike"] += 1  # an older export may have let it in
+        elif prompt is not None:
+            base_lines.append(line)
+    seen = {p.content() for p in (record_prompt(json.loads(line), "base") for line in base_lines) if p is not None}
     added = []
     for source in sources:
         taken = 0
