@@ -48,7 +48,7 @@ PY
       ;;
     tune)  # MLX's CUDA graphs: ops per graph (MLX_MAX_OPS_PER_BUFFER, MLX's default 20) and graphs kept
       # (MLX_CUDA_GRAPH_CACHE_SIZE): each graph's update and launch is host time a round pays
-      for setting in "20 100" "60 1000" "200 1000"; do  # MLX default first; each run is one profile
+      for setting in "20 100" "60 1000" "200 1000"; do  # 20: MLX's default ops per graph; each is one profile run
         read -r ops kept <<< "$setting"
         MLX_MAX_OPS_PER_BUFFER=$ops MLX_CUDA_GRAPH_CACHE_SIZE=$kept python3 -m runtime.profile --dtype native --draft random:5 \
           --compile on --no-engine > "$OUT/profile-ops$ops-kept$kept.json"
