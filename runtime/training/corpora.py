@@ -192,13 +192,28 @@ def chat_prompts() -> list[Prompt]:
     return list(prompts)
 
 
+def chatterbot_files() -> list[Path]:
+    """chatterbot-corpus's YAML files of the corpus language, one per category, in name order."""
+    return sorted(package_file("chatterbot-corpus", f"chatterbot_corpus/data/{CHATTERBOT_LANGUAGE}").glob("*.yml"))
+
+
+def analogy_lines() -> Iterator[tuple[str, list[str]]]:
+    """gensim's analogy list (questions-words.txt): each line's section and its four words."""
+    section = ""
+    path = package_file("gensim", "gensim/test/test_data/questions-words.txt")
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith(":"):
+            section = line[1:].strip()
+        else:
+            yield section, line.split()
+
+
 def _chat_conversations() -> list[list[str]]:
     """Every chatterbot-corpus conversation (a list of turns) of the English corpus, file by file."""
     import yaml
 
-    folder = package_file("chatterbot-corpus", f"chatterbot_corpus/data/{CHATTERBOT_LANGUAGE}")
     conversations = []
-    for path in sorted(folder.glob("*.yml")):
+    for path in chatterbot_files():
         for turns in yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations") or []:
             conversations.append([str(t) for t in turns])
     return conversations
@@ -321,18 +336,13 @@ def python_questions() -> list[Prompt]:
 def world_questions() -> list[Prompt]:
     """Everyday questions from gensim's test data: about places, currencies and words (its
     analogy list's pairs, through WORD_QUESTIONS), and summaries of its news stories."""
-    folder = package_file("gensim", "gensim/test/test_data")
     prompts: dict[Prompt, None] = {}
-    section = ""
-    for line in (folder / "questions-words.txt").read_text(encoding="utf-8").splitlines():
-        if line.startswith(":"):
-            section = line[1:].strip()
-            continue
-        words = line.split()
+    for section, words in analogy_lines():
         for pair in (words[:2], words[2:]):
             for template in WORD_QUESTIONS.get(section, ()):
                 prompts[user_prompt("ask-world", template.format(*pair))] = None
-    for story in (folder / "lee_background.cor").read_text(encoding="utf-8").splitlines():
+    news = package_file("gensim", "gensim/test/test_data/lee_background.cor")
+    for story in news.read_text(encoding="utf-8").splitlines():
         if story.strip():
             prompts[user_prompt("ask-world", f"Summarize this news story in a few sentences:\n\n{story.strip()}")] = None
     return list(prompts)

@@ -93,14 +93,17 @@ def export(sources: list[str], samples: int, out: Path, base: Path | None = None
     """
     look_alike = humaneval_look_alike()
     counts: Counter[str] = Counter()
-    base_lines = []
+    base_lines, seen = [], set()
     for line in (base.read_text(encoding="utf-8").splitlines() if base else []):
-        prompt = record_prompt(json.loads(line), "base") if line.strip() else None
+        if not line.strip():
+            continue
+        prompt = record_prompt(json.loads(line), "base")
         if prompt is not None and prompt.text and look_alike(prompt.text):
             counts["dropped from the base: a HumanEval look-alike"] += 1  # an older export may have let it in
-        elif prompt is not None:
-            base_lines.append(line)
-    seen = {p.content() for p in (record_prompt(json.loads(line), "base") for line in base_lines) if p is not None}
+            continue
+        base_lines.append(line)
+        if prompt is not None:
+            seen.add(prompt.content())
     added = []
     for source in sources:
         taken = 0

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..cli import add_model_arguments, run_cli
 from ..defaults import default_model_path
 from ..loading import LoadedModel, load_target
-from .corpora import package_file, user_prompt
+from .corpora import analogy_lines, chatterbot_files, user_prompt
 from .data import greedy_batch, length_sorted_batches, render_prompt
 
 # what the target is asked to write, about each topic
@@ -42,14 +42,9 @@ LEAD_IN = re.compile(r"^[\w ,']{0,40}(?:ask|say|question)[\w ]{0,12}:\s*", re.IG
 
 def topics() -> list[str]:
     """chatterbot's categories, then each word of gensim's analogy list, once."""
-    found: dict[str, None] = {}
-    chatterbot = package_file("chatterbot-corpus", "chatterbot_corpus/data/english")
-    for path in sorted(chatterbot.glob("*.yml")):
-        found[CATEGORY_TOPICS.get(path.stem, path.stem.replace("_", " "))] = None
-    analogies = package_file("gensim", "gensim/test/test_data/questions-words.txt")
-    for line in analogies.read_text(encoding="utf-8").splitlines():
-        if not line.startswith(":"):
-            found.update(dict.fromkeys(line.split()))
+    found = dict.fromkeys(CATEGORY_TOPICS.get(path.stem, path.stem.replace("_", " ")) for path in chatterbot_files())
+    for _, words in analogy_lines():
+        found.update(dict.fromkeys(words))
     return list(found)
 
 
