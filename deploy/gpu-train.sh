@@ -2,7 +2,8 @@
 # Train the bundled SmolLM2-135M drafter on the GPU machine (stage MLX first: gpu-measure.sh).
 #   python -m runtime.evalsets ...; export prompts to runs/prompts/train.jsonl (see the issue note),
 #   then in the device call: export PYTHONPATH=/tmp/site && bash deploy/gpu-train.sh [OUT_DIR]
-#   DATA, SAMPLES, GEN_BATCH, EPOCHS, LR choose the data, length and rate; INIT=DRAFTER_DIR continues that drafter;
+#   DATA (one or more sources, space-separated), SAMPLES, GEN_BATCH, EPOCHS, LR choose the data, length and rate;
+#   INIT=DRAFTER_DIR continues that drafter;
 #   KEEP_REGEN=1 also returns runs/regen (carry it back to skip regeneration).
 # Stops itself after $LIMIT seconds; run it again to --resume. The drafter goes to $OUT/drafter.
 set -euo pipefail
@@ -12,7 +13,7 @@ LIMIT=${LIMIT:-540}
 RESUME=""
 [ -d "$DIR/checkpoint" ] && RESUME=--resume
 rc=0
-timeout "$LIMIT" python3 -m runtime.train --out "$DIR" --data "${DATA:-runs/prompts/train.jsonl}" \
+timeout "$LIMIT" python3 -m runtime.train --out "$DIR" --data ${DATA:-runs/prompts/train.jsonl} \
   --samples "${SAMPLES:-8000}" --max-new-tokens 256 --max-seq-len 768 --gen-batch-size "${GEN_BATCH:-128}" \
   --epochs "${EPOCHS:-6}" --lr "${LR:-6e-4}" --batch-size 32 \
   --micro-batch 16 --layers 3 --block-size 16 --save-every 50 --no-compile --cache-dir runs/regen ${INIT:+--init "$INIT"} \
@@ -20,9 +21,9 @@ timeout "$LIMIT" python3 -m runtime.train --out "$DIR" --data "${DATA:-runs/prom
 echo "training exit status $rc"
 if [ -n "${OUT:-}" ] && [ -f "$DIR/model.safetensors" ]; then
   mkdir -p "$OUT/drafter" && cp "$DIR/config.json" "$DIR/model.safetensors" "$OUT/drafter/"
-  # the device tool drops large files: the weights come back in parts (cat them to reassemble)
-  (cd "$OUT/drafter" && split -b 6m model.safetensors model.safetensors.part- && rm model.safetensors)
+  # the device tool returns files of at most 16 MiB: the weights come back in parts (cat them to reassemble)
+  (cd "$OUT/drafter" && split -b 15m model.safetensors model.safetensors.part- && rm model.safetensors)
 fi
 if [ -n "${OUT:-}" ] && [ -n "${KEEP_REGEN:-}" ]; then  # the regenerated responses, to carry to a later machine
-  mkdir -p "$OUT/regen" && tar -czf - runs/regen | split -b 6m - "$OUT/regen/regen.tgz.part-"
+  mkdir -p "$OUT/regen" && tar -czf - runs/regen | split -b 15m - "$OUT/regen/regen.tgz.part-"
 fi

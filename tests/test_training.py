@@ -251,6 +251,16 @@ def test_selection_and_split_are_stable_across_sample_counts(tmp_path: Path) -> 
     assert 1 <= held <= 12, "a pick is not biased towards (or away from) the held-out prompts"
 
 
+def test_a_prompt_held_by_two_sources_is_trained_once(tmp_path: Path) -> None:
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text("shared question\nonly in the first\n")
+    second.write_text("only in the second\nshared question\n")
+    prompts = load_prompts([str(first), str(second)], 10, seed=0)
+    contents = [p.content() for p in prompts]
+    assert len(contents) == len(set(contents)) == 3
+    assert sum("shared question" in c for c in contents) == 1
+
+
 def test_gsm_training_prompts_avoid_the_evaluation_seeds() -> None:
     pytest.importorskip("reasoning_gym")
     import reasoning_gym

@@ -416,6 +416,13 @@ def _source_prompts(name: str, quota: int, seed: int) -> list[Prompt]:
 
 
 def load_prompts(sources: list[str], samples: int, seed: int) -> list[Prompt]:
-    """Up to ``samples`` prompts, shared evenly among ``sources`` (names or file paths)."""
+    """Up to ``samples`` prompts, shared evenly among ``sources`` (names or file paths); a prompt
+    that several sources hold comes once, from the first."""
     quota = -(-samples // len(sources))
-    return [p for name in sources for p in _source_prompts(name, quota, seed)]
+    seen: set[str] = set()
+    unique = []
+    for prompt in (p for name in sources for p in _source_prompts(name, quota, seed)):
+        if prompt.content() not in seen:
+            seen.add(prompt.content())
+            unique.append(prompt)
+    return unique

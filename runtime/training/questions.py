@@ -31,6 +31,14 @@ ASKS = (
     "Write one short trivia question about {}. Reply with the question only.",
     "Write one thing a person might say to a friendly chatbot about {}. Reply with that sentence only.",
     "Write one question a curious child might ask about {}. Reply with the question only.",
+    "Write one short, casual message that a person might type to a chatbot about {}. Reply with the message only.",
+    "Write one short request that a person might send to an AI assistant about {}. Reply with the request only.",
+    "Write one opinion question about {} that a person might ask a chatbot. Reply with the question only.",
+    "Write one question a student might ask a teacher about {}. Reply with the question only.",
+    "Write one 'why' question about {}. Reply with the question only.",
+    "Write one thing a person might tell a chatbot about how they feel about {}. Reply with that sentence only.",
+    "Write one question a person might ask a chatbot for advice about {}. Reply with the question only.",
+    "Write one question a person might ask a chatbot about its own likes and dislikes, on {}. Reply with the question only.",
 )
 # chatterbot-corpus file stems, as a person would name them
 CATEGORY_TOPICS = {"ai": "artificial intelligence", "botprofile": "the chatbot itself", "conversations": "everyday life",
