@@ -1,6 +1,7 @@
 """``python -m runtime.training.questions``: chat prompts that the target writes itself.
 
     python -m runtime.training.questions --out runs/prompts/self-chat.jsonl [--model M] [--batch-size 64] [--limit N]
+        [--topics FILE]  (one topic per line; written by --write-topics FILE where the corpus packages are installed)
 
 Chat is where the package corpora teach a drafter least: chatterbot's lines are few, and
 the held-out chat set is made of them. So the target is asked, greedily, to write what a
@@ -68,9 +69,9 @@ def extract_question(reply: str) -> str | None:
     return text
 
 
-def ask_prompts(limit: int | None = None) -> list[str]:
-    """Every ask about every topic, topics in order (a smaller ``limit`` keeps a prefix)."""
-    asks = [ask.format(topic) for topic in topics() for ask in ASKS]
+def ask_prompts(limit: int | None = None, topic_list: list[str] | None = None) -> list[str]:
+    """Every ask about every topic (default: ``topics()``), topics in order (a smaller ``limit`` keeps a prefix)."""
+    asks = [ask.format(topic) for topic in (topic_list or topics()) for ask in ASKS]
     return asks[:limit] if limit is not None else asks
 
 
@@ -101,9 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch-size", type=int, default=64, help="asks decoded together")
     parser.add_argument("--limit", type=int, help="only the first N asks")
+    parser.add_argument("--topics", type=Path, help="topics, one per line (default: from the corpus packages)")
+    parser.add_argument("--write-topics", type=Path, help="write the corpus packages' topics to this file and stop")
     args = parser.parse_args(argv)
+    if args.write_topics:
+        args.write_topics.write_text("".join(f"{topic}\n" for topic in topics()), encoding="utf-8")
+        print(f"{args.write_topics}: {len(topics())} topics")
+        return
+    topic_list = [t for t in args.topics.read_text(encoding="utf-8").splitlines() if t.strip()] if args.topics else None
     target = load_target(args.model or default_model_path(), dtype=args.dtype)
-    print(f"{args.out}: {write_questions(target, ask_prompts(args.limit), args.out, args.batch_size)} prompts")
+    print(f"{args.out}: {write_questions(target, ask_prompts(args.limit, topic_list), args.out, args.batch_size)} prompts")
 
 
 if __name__ == "__main__":
