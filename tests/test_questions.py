@@ -8,7 +8,7 @@ import pytest
 
 from runtime.loading import LoadedModel
 from runtime.training.corpora import DataError, file_prompts
-from runtime.training.questions import ASKS, ask_prompts, extract_question, topics, write_questions
+from runtime.training.questions import ASKS, ask_prompts, extract_question, main, topics, write_questions
 
 
 @pytest.mark.parametrize("reply, question", [
@@ -41,3 +41,14 @@ def test_asks_cover_every_topic_with_every_template() -> None:
         pytest.skip(f"corpus packages not installed: {exc}")
     assert "artificial intelligence" in names and len(names) == len(set(names)) > 100
     assert ask_prompts(limit=len(ASKS))[0] == ASKS[0].format(names[0]) and len(ask_prompts()) == len(ASKS) * len(names)
+
+
+def test_topics_written_where_the_corpora_are_read_back_where_they_are_not(tmp_path: Path) -> None:
+    try:
+        names = topics()
+    except DataError as exc:
+        pytest.skip(f"corpus packages not installed: {exc}")
+    written = tmp_path / "topics.txt"
+    main(["--out", str(tmp_path / "unused.jsonl"), "--write-topics", str(written)])
+    assert written.read_text(encoding="utf-8").splitlines() == names
+    assert ask_prompts(topic_list=["tea", "chess"]) == [ask.format(t) for t in ("tea", "chess") for ask in ASKS]

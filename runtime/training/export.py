@@ -7,7 +7,8 @@ The GPU machine has none of the corpus packages, so prompts travel to it as a fi
 ``python -m runtime.train --data FILE`` reads. Held-out prompts (by hash, as the trainer
 splits) are never written, nor HumanEval look-alikes: a ``def`` line of HumanEval's or one
 of its function names (its package, when installed, is read for that check only). With
-``--base``, that file's lines come first, unchanged (but for HumanEval look-alikes, dropped),
+``--base``, that file's lines come first, unchanged (but for held-out prompts and HumanEval
+look-alikes, dropped: early exports let some in),
 and only prompts it does not already hold are added: a larger set keeps every response
 already regenerated for the smaller one.
 ``--per-source`` caps what each source adds; ``--max-chars``/``--doctest-or-under`` keep
@@ -100,6 +101,10 @@ def export(sources: list[str], samples: int, out: Path, base: Path | None = None
         prompt = record_prompt(json.loads(line), "base")
         if prompt is not None and prompt.text and look_alike(prompt.text):
             counts["dropped from the base: a HumanEval look-alike"] += 1  # an older export may have let it in
+            continue
+        if prompt is not None and is_heldout(prompt, HELDOUT_FRACTION):
+            # the trainer's split would hold it out anyway; a file that holds no held-out prompt needs no trust
+            counts["dropped from the base: held out"] += 1
             continue
         base_lines.append(line)
         if prompt is not None:
