@@ -1,6 +1,6 @@
 """Where the actor engine's host time goes, per round: one mode over the bench prompts.
 
-    python deploy/engine-parts.py MODE SECONDS [DTYPE] [DRAFTER] [--parts]
+    PYTHONPATH=. python deploy/engine-parts.py MODE SECONDS [DTYPE] [DRAFTER] [--parts]
     (MODE: pipelined, sequential or pipelined2; DRAFTER default random:5; TOKENS, PROMPTS env)
 
 Runs the engine on the bundled bench prompts (block 16) until SECONDS have passed and prints
@@ -19,6 +19,8 @@ import os
 import sys
 import time
 from typing import Any
+
+import runtime  # noqa: F401  (first: on Linux it binds MLX's CPU matmuls to OpenBLAS before MLX loads)
 
 import anyio
 import mlx.core as mx
@@ -99,7 +101,7 @@ def main() -> None:
     if "--parts" in sys.argv:
         time_parts()
     started, rounds, decode = time.perf_counter(), 0, 0.0
-    while time.perf_counter() - started < seconds:
+    while rounds == 0 or time.perf_counter() - started < seconds:  # at least one pass
         out = anyio.run(run_engine, target, drafter, ids, params, mode)
         n, s = sum(int(e.stats["rounds"]) for _, e in out), sum(e.timings["decode_s"] for _, e in out)
         rounds, decode = rounds + n, decode + s
