@@ -305,15 +305,23 @@ def default_compute_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else "native"
 
 
-def _dequantize_all(ckpt: Checkpoint, dtype: mx.Dtype) -> None:
-    for layer, spec in ckpt.quantized.items():
-        t = ckpt.tensors
+def dequantize_layers(tensors: dict[str, mx.array], quantized: dict[str, QuantSpec], dtype: mx.Dtype,
+                      source: Path) -> None:
+    """Unpack every quantized layer's ``weight/scales/biases`` into one ``weight`` of ``dtype``, in place."""
+    for layer, spec in quantized.items():
+        for part in ("weight", "biases"):
+            if f"{layer}.{part}" not in tensors:
+                raise CheckpointError(f"{source}: missing tensor {layer}.{part} (the layer has {layer}.scales)")
         # scales/biases go to the compute dtype first: unpacking in their stored fp16 would
         # round every weight to fp16 before the float32 copy is made
-        t[f"{layer}.weight"] = mx.dequantize(
-            t.pop(f"{layer}.weight"), t.pop(f"{layer}.scales").astype(dtype),
-            t.pop(f"{layer}.biases").astype(dtype), group_size=spec.group_size, bits=spec.bits,
+        tensors[f"{layer}.weight"] = mx.dequantize(
+            tensors.pop(f"{layer}.weight"), tensors.pop(f"{layer}.scales").astype(dtype),
+            tensors.pop(f"{layer}.biases").astype(dtype), group_size=spec.group_size, bits=spec.bits,
         )
+
+
+def _dequantize_all(ckpt: Checkpoint, dtype: mx.Dtype) -> None:
+    dequantize_layers(ckpt.tensors, ckpt.quantized, dtype, ckpt.source)
     ckpt.quantized = {}
 
 
@@ -419,7 +427,8 @@ def load_target(path: str | Path, dtype: str = "auto", fuse: bool = True) -> Loa
 
 
 def load_drafter(path: str | Path, target: LoadedModel, fuse: bool = True) -> DFlashDrafter:
-    """Load a z-lab-format drafter folder, in the target's compute dtype, bound to it.
+    """Load a z-lab-format drafter folder (or one packed by ``runtime.training.pack``), in the
+    target's compute dtype, bound to it.
 
     ``fuse``: for inference, fewer ops per draft (``DFlashDrafter.fuse_projections``);
     a drafter to train further is loaded with fuse=False.
@@ -427,11 +436,14 @@ def load_drafter(path: str | Path, target: LoadedModel, fuse: bool = True) -> DF
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a drafter folder (config.json + model.safetensors)")
-    args = drafter_args(_read_json(folder / "config.json"))
+    config = _read_json(folder / "config.json")
+    args = drafter_args(config)
     tensors = read_safetensors(safetensors_files(folder), f"loading {folder.name}")
+    dtype = DTYPES[target.compute_dtype]
+    # a drafter packed in fewer bits to fit a size limit (runtime.training.pack) runs unpacked
+    dequantize_layers(tensors, _quantized_layers(tensors, config), dtype, folder)
     drafter = DFlashDrafter(args)
     check_tensors(dict(tree_flatten(drafter.parameters())), tensors, folder)
-    dtype = DTYPES[target.compute_dtype]
     drafter.load_weights([(k, v.astype(dtype)) for k, v in tensors.items()], strict=True)
     mx.eval(drafter.parameters())
     drafter.eval()

@@ -26,7 +26,8 @@ from .errors import RuntimeErrorBase
 from .loading import DTYPES, LoadedModel, load_drafter, load_target
 from .training.corpora import SOURCE_NAMES, load_prompts
 from .training.data import Example, GenerationLimits, ResponseCache, build_examples, cache_file
-from .training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter, parameter_count, save_drafter
+from .training.drafter import (DrafterShape, choose_mask_token, drafter_config, grown_config, grown_drafter, new_drafter,
+                               parameter_count, save_drafter)
 from .training.trainer import StepStats, Trainer, TrainSettings, can_train_on
 
 DEFAULT_CACHE_DIR = Path("~/.cache/dflash-runtime/regenerated")
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anchors-per-seq", type=int, default=64)
     p.add_argument("--init", type=Path, help="start from this drafter's weights (its layers, taps, block and mask "
                    "then replace --layers/--taps/--block-size/--mask-token-id): train an existing drafter further")
+    p.add_argument("--grow-to", type=int, metavar="LAYERS", help="with --init: a deeper drafter, its first layers "
+                   "the init's and the added ones starting as the identity (it first drafts as the init does)")
     p.add_argument("--layers", type=int, default=3, help="drafter layers")
     p.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
     p.add_argument("--taps", type=int, nargs="+", help="0-based target layers tapped (default: z-lab's spread)")
@@ -72,7 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="run the step without mx.compile")
     p.add_argument("--device-check", action="store_true", help="print the device and sizes, then exit")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.grow_to and args.init is None:
+        p.error("--grow-to needs --init (the drafter to grow)")
+    return args
 
 
 def compute_dtype(choice: str) -> str:
@@ -96,8 +102,9 @@ def prepare(args: argparse.Namespace) -> Run:
     target = load_target(args.model or default_model_path(), dtype=dtype)
     if args.init is not None:
         config = json.loads((args.init / "config.json").read_text())
+        config.pop("quantization", None)  # a packed drafter (runtime.training.pack) trains unpacked
         args.block_size = int(config["dflash_config"].get("block_size", config.get("block_size", args.block_size)))
-        return Run(target, config, dtype)
+        return Run(target, grown_config(config, args.grow_to) if args.grow_to else config, dtype)
     mask_id = args.mask_token_id if args.mask_token_id is not None else choose_mask_token(target.model.args, target.tokenizer)
     shape = DrafterShape(args.layers, args.block_size, args.intermediate_size, tuple(args.taps or ()) or None)
     return Run(target, drafter_config(target.model.args, shape, mask_id), dtype)
@@ -178,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[run.dtype]
     if args.init is not None:
         drafter = load_drafter(args.init, run.target, fuse=False)  # checks the pair; weights in the compute dtype
+        if args.grow_to:
+            drafter = grown_drafter(drafter, run.config, args.seed, dtype).bind(run.target.model)
     else:
         drafter = new_drafter(run.config, args.seed, dtype).bind(run.target.model)
     print(summary(run, args, parameter_count(drafter)))

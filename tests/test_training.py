@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from protocol import GenerationParams
 from runtime import train as train_cli
+from runtime.errors import CheckpointError
 from runtime.loading import LoadedModel, load_drafter
 from runtime.models.dflash import DFlashDrafter
 from runtime.plain import plain_steps
@@ -309,6 +310,62 @@ def test_trained_drafter_loads_and_drafts(trained_dir: Path, tiny_llama: LoadedM
     logits = drafter(mx.array([[11] + [MASK_ID] * (BLOCK - 1)]), ctx, drafter.make_cache())
     assert logits.shape == (1, BLOCK - 1, tiny_llama.model.args.vocab_size)
     assert mx.all(mx.isfinite(logits)).item()
+
+
+def test_a_packed_drafter_is_smaller_and_drafts_as_the_unpacked_one(trained_dir: Path, tiny_llama: LoadedModel,
+                                                                      tmp_path: Path) -> None:
+    from runtime.training.pack import pack_drafter
+
+    before, after = pack_drafter(trained_dir, tmp_path / "packed", bits=8)
+    assert after < 0.75 * before  # bf16 projections become 8 bits plus a bf16 scale and bias per 64
+    packed, plain = load_drafter(tmp_path / "packed", tiny_llama), load_drafter(trained_dir, tiny_llama)
+    ctx = tiny_llama.model(mx.array([[7, 8, 9, 10]]), tap_layers=plain.tap_layers).taps
+    block = mx.array([[11] + [MASK_ID] * (BLOCK - 1)])
+    ours, theirs = packed.hidden(block, ctx, packed.make_cache()), plain.hidden(block, ctx, plain.make_cache())
+    scale = mx.abs(theirs).max().item()
+    assert 0 < mx.abs(ours - theirs).max().item() < 0.02 * scale  # 8-bit rounding, no more
+    with pytest.raises(CheckpointError, match="already packed"):
+        pack_drafter(tmp_path / "packed", tmp_path / "twice")
+
+
+def test_a_packed_drafter_missing_a_bias_names_the_tensor(trained_dir: Path, tiny_llama: LoadedModel,
+                                                          tmp_path: Path) -> None:
+    from runtime.training.pack import pack_drafter
+
+    pack_drafter(trained_dir, tmp_path / "packed")
+    weights = mx.load(str(tmp_path / "packed" / "model.safetensors"))
+    del weights["fc.biases"]
+    mx.save_safetensors(str(tmp_path / "packed" / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError, match=r"missing tensor fc\.biases"):
+        load_drafter(tmp_path / "packed", tiny_llama)
+
+
+def test_a_grown_drafter_first_drafts_as_its_init_then_trains_its_new_layers(
+        trained_dir: Path, tiny_llama_dir: Path, tiny_llama: LoadedModel, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWhat is two plus two?\nTell me about foxes.\n")
+
+    def grow(out: str, lr: str) -> Path:
+        train_cli.main([
+            "--model", str(tiny_llama_dir), "--init", str(trained_dir), "--grow-to", "3", "--out", str(tmp_path / out),
+            "--data", str(prompts), "--samples", "3", "--max-new-tokens", "24", "--epochs", "1", "--batch-size", "2",
+            "--micro-batch", "2", "--anchors-per-seq", "8", "--cache-dir", str(tmp_path / "cache"),
+            "--heldout-fraction", "0", "--no-compile", "--lr", lr,
+        ])
+        return tmp_path / out
+
+    still, moved = grow("still", "0"), grow("moved", "1e-2")
+    assert json.loads((still / "config.json").read_text())["num_hidden_layers"] == 3
+    start, same, trained = (load_drafter(d, tiny_llama) for d in (trained_dir, still, moved))
+    assert len(same.layers) == 3 and len(start.layers) == 2
+    ctx = tiny_llama.model(mx.array([[7, 8, 9, 10]]), tap_layers=start.tap_layers).taps
+    block = mx.array([[11] + [MASK_ID] * (BLOCK - 1)])
+    hidden = [d.hidden(block, ctx, d.make_cache()) for d in (start, same, trained)]
+    assert mx.allclose(hidden[0], hidden[1], atol=1e-2).item()  # the added layer adds nothing yet (bf16 export)
+    assert not mx.allclose(hidden[0], hidden[2], atol=1e-2).item()
+    weights = {d: mx.load(str(d / "model.safetensors")) for d in (still, moved)}
+    assert mx.abs(weights[still]["layers.2.mlp.down_proj.weight"]).max().item() == 0
+    assert mx.abs(weights[moved]["layers.2.mlp.down_proj.weight"]).max().item() > 0  # training moved it
 
 
 def test_a_finished_run_refuses_to_restart_without_resume(trained_dir: Path, tiny_llama_dir: Path) -> None:

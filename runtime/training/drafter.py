@@ -99,6 +99,30 @@ def new_drafter(config: dict[str, Any], seed: int, dtype: mx.Dtype = mx.float32)
     return drafter
 
 
+def grown_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """``config`` with ``layers`` layers, the added ones of its last layer's kind."""
+    have = int(config["num_hidden_layers"])
+    if layers <= have:
+        raise DataError(f"--grow-to {layers}: the drafter already has {have} layers; grow to more")
+    grown = dict(config, num_hidden_layers=layers)
+    if config.get("layer_types"):
+        grown["layer_types"] = list(config["layer_types"]) + [config["layer_types"][-1]] * (layers - have)
+    return grown
+
+
+def grown_drafter(start: DFlashDrafter, config: dict[str, Any], seed: int, dtype: mx.Dtype) -> DFlashDrafter:
+    """A deeper drafter that starts out drafting exactly as ``start``: its first layers are
+    ``start``'s, and each added layer's output projections are zero, so it adds nothing to
+    the residual stream until training moves them (their inputs' projections start random)."""
+    grown = new_drafter(config, seed, dtype)
+    grown.update(start.parameters())  # every tensor start has, by name; the added layers keep theirs
+    for layer in grown.layers[len(start.layers):]:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    mx.eval(grown.parameters())
+    return grown
+
+
 def cast_parameters(model: nn.Module, dtype: mx.Dtype) -> dict[str, Any]:
     return tree_map(lambda p: p.astype(dtype), model.parameters())
 
