@@ -24,7 +24,8 @@ def random_drafter(target: LoadedModel, layers: int = 5, block_size: int = 16, s
         num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
         head_dim=t.head_dim or t.hidden_size // t.num_attention_heads, rms_norm_eps=t.rms_norm_eps,
         rope_theta=t.rope_theta, rope_scaling=None, block_size=block_size,
-        target_layer_ids=default_target_layer_ids(t.num_hidden_layers, n_taps),
+        # distinct layers: a shallow target has fewer spread-out layers than taps asked for
+        target_layer_ids=sorted(set(default_target_layer_ids(t.num_hidden_layers, n_taps))),
         num_target_layers=t.num_hidden_layers, mask_token_id=0,
         causal_layers=[False] * layers, sliding_layers=[False] * layers, sliding_window=None,
     )

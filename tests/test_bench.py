@@ -99,3 +99,13 @@ def test_bench_refuses_a_concurrency_below_one(tiny_llama_dir: Path, tiny_drafte
     with pytest.raises(RequestError, match="concurrency"):
         bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),
                     "--max-tokens", "4", "--dtype", "float32", "--concurrency", "0"])
+
+
+def test_a_random_drafter_on_a_shallow_target_taps_distinct_layers_and_runs_every_mode(
+        tiny_llama_dir: Path, prompts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the tiny target has 4 layers: five taps spread over layers 1..1 would repeat layer 1
+    bench.main(["--model", str(tiny_llama_dir), "--draft", "random:5", "--prompts", str(prompts),
+                "--max-tokens", "10", "--block-size", "4", "--dtype", "float32", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["equal_outputs_per_mode"] == {"reference": 3, "sequential": 3, "pipelined": 3, "pipelined2": 3}
+    assert report["dflash"]["rounds"] > 0
