@@ -422,7 +422,8 @@ def load_prompts(sources: list[str], samples: int, seed: int) -> list[Prompt]:
     seen: set[str] = set()
     unique = []
     for prompt in (p for name in sources for p in _source_prompts(name, quota, seed)):
-        if prompt.content() not in seen:
-            seen.add(prompt.content())
+        content = prompt.content()
+        if content not in seen:
+            seen.add(content)
             unique.append(prompt)
     return unique

@@ -71,7 +71,7 @@ def extract_question(reply: str) -> str | None:
 
 def ask_prompts(limit: int | None = None, topic_list: list[str] | None = None) -> list[str]:
     """Every ask about every topic (default: ``topics()``), topics in order (a smaller ``limit`` keeps a prefix)."""
-    asks = [ask.format(topic) for topic in (topic_list or topics()) for ask in ASKS]
+    asks = [ask.format(topic) for topic in (topic_list if topic_list is not None else topics()) for ask in ASKS]
     return asks[:limit] if limit is not None else asks
 
 
@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write-topics", type=Path, help="write the corpus packages' topics to this file and stop")
     args = parser.parse_args(argv)
     if args.write_topics:
-        args.write_topics.write_text("".join(f"{topic}\n" for topic in topics()), encoding="utf-8")
-        print(f"{args.write_topics}: {len(topics())} topics")
+        found = topics()
+        args.write_topics.write_text("".join(f"{topic}\n" for topic in found), encoding="utf-8")
+        print(f"{args.write_topics}: {len(found)} topics")
         return
     topic_list = [t for t in args.topics.read_text(encoding="utf-8").splitlines() if t.strip()] if args.topics else None
     target = load_target(args.model or default_model_path(), dtype=args.dtype)
