@@ -136,7 +136,7 @@ def read_safetensors(files: list[Path], desc: str) -> dict[str, mx.array]:
     return tensors
 
 
-def _quantized_layers(tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str, QuantSpec]:
+def quantized_layers(tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str, QuantSpec]:
     """Layers stored as MLX affine triples, with their group size and bits from the config."""
     qconfig = config.get("quantization") or config.get("quantization_config") or {}
     layers: dict[str, QuantSpec] = {}
@@ -158,7 +158,7 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     config = _read_json(folder / "config.json")
     files = safetensors_files(folder)
     tensors = read_safetensors(files, f"loading {folder.name}")
-    quantized = _quantized_layers(tensors, config)
+    quantized = quantized_layers(tensors, config)
     return Checkpoint(
         config=config, tensors=tensors, quantized=quantized,
         tokenizer=lambda: Tokenizer.from_folder(folder), source=folder,
@@ -441,7 +441,7 @@ def load_drafter(path: str | Path, target: LoadedModel, fuse: bool = True) -> DF
     tensors = read_safetensors(safetensors_files(folder), f"loading {folder.name}")
     dtype = DTYPES[target.compute_dtype]
     # a drafter packed in fewer bits to fit a size limit (runtime.training.pack) runs unpacked
-    dequantize_layers(tensors, _quantized_layers(tensors, config), dtype, folder)
+    dequantize_layers(tensors, quantized_layers(tensors, config), dtype, folder)
     drafter = DFlashDrafter(args)
     check_tensors(dict(tree_flatten(drafter.parameters())), tensors, folder)
     drafter.load_weights([(k, v.astype(dtype)) for k, v in tensors.items()], strict=True)

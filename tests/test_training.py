@@ -328,6 +328,26 @@ def test_a_packed_drafter_is_smaller_and_drafts_as_the_unpacked_one(trained_dir:
         pack_drafter(tmp_path / "packed", tmp_path / "twice")
 
 
+def test_an_unpacked_drafter_is_a_z_lab_folder_again(trained_dir: Path, tiny_llama: LoadedModel, tmp_path: Path) -> None:
+    from runtime.training.pack import pack_drafter, unpack_drafter
+
+    pack_drafter(trained_dir, tmp_path / "packed")
+    unpack_drafter(tmp_path / "packed", tmp_path / "unpacked")
+    original = mx.load(str(trained_dir / "model.safetensors"))
+    unpacked = mx.load(str(tmp_path / "unpacked" / "model.safetensors"))
+    assert {k: v.shape for k, v in unpacked.items()} == {k: v.shape for k, v in original.items()}
+    assert all(v.dtype == mx.bfloat16 for v in unpacked.values())
+    assert json.loads((tmp_path / "unpacked" / "config.json").read_text()) == json.loads(
+        (trained_dir / "config.json").read_text())
+    packed, again = load_drafter(tmp_path / "packed", tiny_llama), load_drafter(tmp_path / "unpacked", tiny_llama)
+    ctx = tiny_llama.model(mx.array([[7, 8, 9, 10]]), tap_layers=packed.tap_layers).taps
+    block = mx.array([[11] + [MASK_ID] * (BLOCK - 1)])
+    ours, theirs = again.hidden(block, ctx, again.make_cache()), packed.hidden(block, ctx, packed.make_cache())
+    assert mx.abs(ours - theirs).max().item() < 0.01 * mx.abs(theirs).max().item()  # bf16 rounding of the unpacked weights
+    with pytest.raises(CheckpointError, match="not packed"):
+        unpack_drafter(trained_dir, tmp_path / "twice")
+
+
 def test_a_packed_drafter_missing_a_bias_names_the_tensor(trained_dir: Path, tiny_llama: LoadedModel,
                                                           tmp_path: Path) -> None:
     from runtime.training.pack import pack_drafter
