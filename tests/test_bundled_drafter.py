@@ -7,8 +7,10 @@ output equals plain greedy decoding.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from protocol import GenerationParams
@@ -20,10 +22,19 @@ PROMPTS = Path(__file__).parent / "data" / "heldout_math_prompts.jsonl"
 MIN_TAU = 2.0
 
 
-def test_bundled_drafter_is_a_z_lab_checkpoint_within_the_size_limit() -> None:
+def test_bundled_drafter_fits_the_size_limit_and_unpacks_to_a_z_lab_folder(tmp_path: Path) -> None:
+    from runtime.training.pack import unpack_drafter
+
     path = default_drafter_path()
     assert path is not None, "the checkout must bundle runtime/drafters/smollm2-135m-dflash"
     assert (path / "model.safetensors").stat().st_size <= 25 * 1024 * 1024
+    unpack_drafter(path, tmp_path / "z-lab")  # packed in 8 bits to fit; z-lab's loader reads the unpacked form
+    config = json.loads((tmp_path / "z-lab" / "config.json").read_text())
+    assert "quantization" not in config and config["architectures"] == ["DFlashDraftModel"]
+    weights = mx.load(str(tmp_path / "z-lab" / "model.safetensors"))
+    assert weights["fc.weight"].shape == (config["hidden_size"], config["hidden_size"] * len(
+        config["dflash_config"]["target_layer_ids"]))
+    assert not any(name.endswith((".scales", ".biases")) for name in weights)
 
 
 def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smollm2: LoadedModel) -> None:
