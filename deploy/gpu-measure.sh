@@ -7,7 +7,7 @@
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [lead] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -58,6 +58,13 @@ parts = json.load(open(sys.argv[1]))["compiled"]["parts"]
 print(sys.argv[2], "|", " | ".join(f"{step} host {row['host_ms']} synced {row.get('synced_ms', row.get('per_step_ms'))}"
                                    for step, row in parts.items()), flush=True)
 PY
+      done ;;
+    lead)  # how far the host may run ahead of the GPU: MLX's eval waits while more than 10 of its tasks are
+      # unfinished (transforms.cpp), and on the GPU a task is a committed graph of MLX_MAX_OPS_PER_BUFFER ops
+      # (backend/cuda/eval.cpp), so the host leads by at most ~10 x 20 ops, a fifth of a round; pipelined
+      # rounds are meant to run a round ahead
+      for ops in ${OPS:-20 50 100}; do
+        MLX_MAX_OPS_PER_BUFFER=$ops bench random5-b16-ops$ops --draft random:5 --block-size 16 --dtype native
       done ;;
     plain)
       bench plain-q4 --draft none --dtype native
