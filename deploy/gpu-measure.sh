@@ -7,7 +7,7 @@
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [lead] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [lead] [spy] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -65,6 +65,16 @@ PY
       # rounds are meant to run a round ahead
       for ops in ${OPS:-20 50 100}; do
         MLX_MAX_OPS_PER_BUFFER=$ops bench random5-b16-ops$ops --draft random:5 --block-size 16 --dtype native
+      done ;;
+    spy)  # where each mode's host time goes, waits included: py-spy (PY_SPY, default py-spy) of
+      # deploy/engine-parts.py, --idle so that time blocked in MLX (a full queue, a readout) shows as frames;
+      # compare the two with `python deploy/spy-diff.py $OUT/spy-pipelined.txt $OUT/spy-sequential.txt`
+      for mode in pipelined sequential; do
+        python3 deploy/engine-parts.py $mode 40 native random:5 > "$OUT/parts-$mode.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 120); do grep -q warm "$OUT/parts-$mode.log" && break; sleep 1; done
+        "${PY_SPY:-py-spy}" record --pid $pid --duration 20 -r 400 --native --idle -f raw -o "$OUT/spy-$mode.txt" > /dev/null 2>&1
+        wait $pid; tail -2 "$OUT/parts-$mode.log"
       done ;;
     plain)
       bench plain-q4 --draft none --dtype native
