@@ -40,6 +40,7 @@ def test_asks_cover_every_topic_with_every_template() -> None:
     except DataError as exc:
         pytest.skip(f"corpus packages not installed: {exc}")
     assert "artificial intelligence" in names and len(names) == len(set(names)) > 100
+    assert "Athens" in names and "intelligent" in names  # an analogy word; a SimLex-999 word alone
     assert ask_prompts(limit=len(ASKS))[0] == ASKS[0].format(names[0]) and len(ask_prompts()) == len(ASKS) * len(names)
 
 

@@ -208,6 +208,13 @@ def analogy_lines() -> Iterator[tuple[str, list[str]]]:
             yield section, line.split()
 
 
+def simlex_words() -> list[str]:
+    """The words of gensim's SimLex-999 pairs (simlex999.txt: everyday nouns, verbs and adjectives), once each."""
+    path = package_file("gensim", "gensim/test/test_data/simlex999.txt")
+    pairs = (line.split("\t")[:2] for line in path.read_text(encoding="utf-8").splitlines() if not line.startswith("#"))
+    return list(dict.fromkeys(word for pair in pairs for word in pair if word))
+
+
 def _chat_conversations() -> list[list[str]]:
     """Every chatterbot-corpus conversation (a list of turns) of the English corpus, file by file."""
     import yaml

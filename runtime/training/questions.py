@@ -5,8 +5,9 @@
 
 Chat is where the package corpora teach a drafter least: chatterbot's lines are few, and
 the held-out chat set is made of them. So the target is asked, greedily, to write what a
-person might ask or tell a chatbot about a topic (topics: chatterbot's categories and the
-words of gensim's analogy list), and the question in each reply becomes a user prompt.
+person might ask or tell a chatbot about a topic (topics: chatterbot's categories, the
+words of gensim's analogy list and of its SimLex-999 pairs), and the question in each reply
+becomes a user prompt.
 Its responses are then regenerated like every other prompt's (``python -m runtime.train
 --data FILE``, or ``runtime.training.export --base OLD --data FILE`` to add them to a set).
 """
@@ -23,7 +24,7 @@ from tqdm import tqdm
 from ..cli import add_model_arguments, run_cli
 from ..defaults import default_model_path
 from ..loading import LoadedModel, load_target
-from .corpora import analogy_lines, chatterbot_files, user_prompt
+from .corpora import analogy_lines, chatterbot_files, simlex_words, user_prompt
 from .data import greedy_batch, length_sorted_batches, render_prompt
 
 # what the target is asked to write, about each topic
@@ -40,6 +41,10 @@ ASKS = (
     "Write one thing a person might tell a chatbot about how they feel about {}. Reply with that sentence only.",
     "Write one question a person might ask a chatbot for advice about {}. Reply with the question only.",
     "Write one question a person might ask a chatbot about its own likes and dislikes, on {}. Reply with the question only.",
+    # chatterbot's lines are often claims and remarks, not questions, and the replies to them essays
+    "Write one bold claim about {} that a person might make to a chatbot. Reply with the claim only.",
+    "Write one short statement about {} that a person might type to start a conversation. Reply with the statement only.",
+    "Write one question that asks a chatbot to explain {} in detail. Reply with the question only.",
 )
 # chatterbot-corpus file stems, as a person would name them
 CATEGORY_TOPICS = {"ai": "artificial intelligence", "botprofile": "the chatbot itself", "conversations": "everyday life",
@@ -50,10 +55,11 @@ LEAD_IN = re.compile(r"^[\w ,']{0,40}(?:ask|say|question)[\w ]{0,12}:\s*", re.IG
 
 
 def topics() -> list[str]:
-    """chatterbot's categories, then each word of gensim's analogy list, once."""
+    """chatterbot's categories, then each word of gensim's analogy list, then of its SimLex-999 pairs, once."""
     found = dict.fromkeys(CATEGORY_TOPICS.get(path.stem, path.stem.replace("_", " ")) for path in chatterbot_files())
     for _, words in analogy_lines():
         found.update(dict.fromkeys(words))
+    found.update(dict.fromkeys(simlex_words()))
     return list(found)
 
 
