@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..cli import run_cli
 from ..errors import CheckpointError
-from ..loading import quantized_layers, dequantize_layers, read_safetensors, safetensors_files
+from ..loading import dequantize_layers, quantized_layers, read_safetensors, safetensors_files
 
 
 def packable(name: str, tensor: mx.array, group_size: int) -> bool:
