@@ -15,7 +15,8 @@ absolute timings drift. Reported per mode, over all its runs and per run: decode
 block position, GPU idle time between rounds (a lower bound: the time in which no round
 was queued; a device that drains its queue faster than the host fills it idles too, which
 this does not see), the speedup over plain decoding, and whether every output equals
-plain greedy. ``--concurrency N`` runs the engine modes on groups of N prompts at once
+plain greedy; the JSON's ``reference.tau_per_prompt`` gives each prompt's own tau (which
+prompts a drafter drafts worst). ``--concurrency N`` runs the engine modes on groups of N prompts at once
 (their rounds batched into shared forwards: tokens/s is then the group's aggregate, and
 the speedup compares it with one plain stream). ``--log`` appends the engine runs' round
 logs (every engine mode) to PATH, for ``python -m runtime.replay``.
@@ -178,6 +179,9 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
     }
     if drafter is not None:
         report.update(dflash_report(drafter, params, runs, [r.token_ids for r in plain[0]]))
+        # which prompts draft worst is what a drafter's next training data should cover
+        taus = report["reference"].pop("tau_per_prompt")
+        report["reference"]["tau_per_prompt"] = [{"name": name, "tau": tau} for (name, _), tau in zip(prompts, taus)]
         fastest = report["dflash" if engine else "reference"]["tokens_per_s"]
         report["speedup"] = round(fastest / (report["plain"]["tokens_per_s"] or 1.0), 3)
     return report
@@ -245,6 +249,7 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
     merged = SpeculativeStats([r for _, s in pooled(reference) for r in s.rounds])
     ref = {**aggregate([r for r, _ in pooled(reference)]), **merged.summary(block),
            "round_parts_ms": round_costs_ms([s for _, s in pooled(reference)]),
+           "tau_per_prompt": [round(float(s.summary(block)["tau"]), 3) for _, s in reference[0]],
            "runs_tokens_per_s": [aggregate([r for r, _ in run])["tokens_per_s"] for run in reference]}
     report = {"block_size": block, "reference": ref, "exact": all(exact.values()), "exact_per_mode": exact,
               "equal_outputs_per_mode": equal}

@@ -73,6 +73,10 @@ def test_bench_without_the_engine_reports_tau_and_exactness_of_the_reference_loo
     report = json.loads(capsys.readouterr().out)
     assert "sequential" not in report and "dflash" not in report
     assert report["reference"]["tau"] >= 1.0 and report["equal_outputs_per_mode"] == {"reference": 3}
+    per_prompt = report["reference"]["tau_per_prompt"]
+    assert [row["name"] for row in per_prompt] == ["line1", "line2", "line3"]
+    taus = [row["tau"] for row in per_prompt]
+    assert min(taus) >= 1.0 and min(taus) <= report["reference"]["tau"] <= max(taus)  # the pooled tau weighs them by rounds
     assert report["speedup"] == pytest.approx(report["reference"]["tokens_per_s"] / report["plain"]["tokens_per_s"], rel=1e-2)
 
 
