@@ -124,16 +124,28 @@ class Committer(Actor):
 
     async def _first_token(self, request_id: str, request: CommitterRequest) -> None:
         assert self.verifier is not None
-        token = self.verifier.outputs(request_id, -1).host().bonus
+        prefill = self.verifier.outputs(request_id, -1)
+        await self.evaluator.fetch(prefill.readout)
+        if request_id not in self.requests:
+            return  # cancelled while its prompt was read
+        token = prefill.host().bonus
         request.first_token_at = request.last_ready_at = time.perf_counter()
         await self._emit(request_id, request, request.stream.push([token]), -1, kv=request.prompt_len, ctx=0)
 
+    async def _fetch_round(self, message: Verified) -> None:
+        """Wait for round N's results on the host: the only host sync of the round."""
+        assert self.verifier is not None and self.drafter is not None
+        readouts = [self.verifier.outputs(message.request_id, message.round).readout,
+                    self.drafter.outputs(message.request_id, message.round).readout]
+        for readout in readouts:
+            await self.evaluator.fetch(readout)
+
     def _facts(self, message: Verified, request: CommitterRequest) -> tuple[RoundFacts, float]:
-        """Read round N's results from their owners: the only host sync of the round."""
+        """Round N's results, read from their owners (already on the host: ``_fetch_round``)."""
         assert self.verifier is not None and self.drafter is not None
         out = self.verifier.outputs(message.request_id, message.round)
         drafted = self.drafter.outputs(message.request_id, message.round)
-        verified, draft = out.host(), drafted.host()  # the first row read of a step waits for the step
+        verified, draft = out.host(), drafted.host()
         ready = time.perf_counter()
         a = verified.accepted
         facts = RoundFacts(
@@ -165,6 +177,9 @@ class Committer(Actor):
         await self._next_round_queued(message)
         if message.request_id not in self.requests:
             return  # cancelled while we yielded
+        await self._fetch_round(message)
+        if message.request_id not in self.requests:
+            return  # cancelled while its round was read
         facts, ready = self._facts(message, request)
         try:
             request.auditor.check(facts)

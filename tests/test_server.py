@@ -327,6 +327,6 @@ def test_warm_up_traces_compiled_steps_at_each_buffer_size(tiny_llama: LoadedMod
                 assert time.time() < deadline, "never became ready"
                 time.sleep(0.05)
         # the tiny model's 512 positions hold two buffer sizes: both were traced before clients came
-        assert {extent for extent, _ in tiny_llama.model._steps._steps} >= {256, 512}
+        assert {key[0] for key in tiny_llama.model._steps._steps} >= {256, 512}
     finally:
         tiny_llama.model.compile_steps = tiny_drafter.compile_steps = False

@@ -1,0 +1,61 @@
+"""Where the engine's MLX graphs are evaluated: on the event loop's thread, or on a worker.
+
+Inline (the default), each actor calls ``mx.async_eval`` on the event loop's thread and
+the committer's readouts wait there too: while MLX encodes a round's graphs (most of a
+round's host time on a GPU: ``python -m runtime.profile``), no other actor runs.
+``mx.async_eval`` releases the GIL while it encodes, so with ``threaded`` the evaluations
+and readouts run on a worker thread instead, and the event loop builds the next graphs and
+commits rounds meanwhile. MLX streams are bound to the thread that made them unless made by
+``mx.new_thread_unsafe_stream``, whose users must keep every use of it in sequence: one
+evaluation or readout at a time (a capacity limiter of one), and the engine's graphs built
+on that stream (the event loop thread's default stream while the engine runs). So with
+``threaded``, nothing else may evaluate MLX arrays on that thread while the engine runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import mlx.core as mx
+
+from .batching import HostReadout
+
+
+class Evaluator:
+    def __init__(self, threaded: bool = False) -> None:
+        self.threaded = threaded
+        self._stream: mx.Stream | None = None
+        self._previous: mx.Stream | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    def start(self) -> None:
+        """Inside the event loop, before any of the engine's graphs is built."""
+        if not self.threaded:
+            return
+        device = mx.default_device()
+        self._previous = mx.default_stream(device)
+        self._stream = mx.new_thread_unsafe_stream(device)
+        mx.set_default_stream(self._stream)
+        self._limiter = anyio.CapacityLimiter(1)
+
+    def stop(self) -> None:
+        if self._previous is not None:
+            mx.set_default_stream(self._previous)
+            self._previous = None
+
+    async def submit(self, *arrays: Any) -> None:
+        """Queue ``arrays``' graphs on the device."""
+        if self._limiter is None:
+            mx.async_eval(*arrays)
+            return
+        await anyio.to_thread.run_sync(lambda: mx.async_eval(*arrays), limiter=self._limiter)
+
+    async def fetch(self, readout: HostReadout) -> None:
+        """Copy a step's results to the host (waiting for the step), so its rows read without waiting."""
+        if readout.fetched:
+            return
+        if self._limiter is None:
+            readout.fetch()
+            return
+        await anyio.to_thread.run_sync(readout.fetch, limiter=self._limiter)
