@@ -14,19 +14,32 @@ on that stream (the event loop thread's default stream while the engine runs). S
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import anyio
 import mlx.core as mx
 
 from .batching import HostReadout
 
+# one stream per device for every threaded engine of the process: compiled steps are traced
+# per stream (runtime.models.steps), so a fresh stream per engine would trace them all again;
+# the lock keeps two engines' uses of the shared stream in sequence
+_SHARED: dict[str, tuple[mx.Stream, threading.Lock]] = {}
+
+
+def shared_stream(device: mx.Device) -> tuple[mx.Stream, threading.Lock]:
+    key = str(device)
+    if key not in _SHARED:
+        _SHARED[key] = (mx.new_thread_unsafe_stream(device), threading.Lock())
+    return _SHARED[key]
+
 
 class Evaluator:
     def __init__(self, threaded: bool = False) -> None:
         self.threaded = threaded
-        self._stream: mx.Stream | None = None
         self._previous: mx.Stream | None = None
+        self._lock: threading.Lock | None = None
         self._limiter: anyio.CapacityLimiter | None = None
 
     def start(self) -> None:
@@ -35,8 +48,8 @@ class Evaluator:
             return
         device = mx.default_device()
         self._previous = mx.default_stream(device)
-        self._stream = mx.new_thread_unsafe_stream(device)
-        mx.set_default_stream(self._stream)
+        stream, self._lock = shared_stream(device)
+        mx.set_default_stream(stream)
         self._limiter = anyio.CapacityLimiter(1)
 
     def stop(self) -> None:
@@ -49,7 +62,7 @@ class Evaluator:
         if self._limiter is None:
             mx.async_eval(*arrays)
             return
-        await anyio.to_thread.run_sync(lambda: mx.async_eval(*arrays), limiter=self._limiter)
+        await self._on_worker(lambda: mx.async_eval(*arrays))
 
     async def fetch(self, readout: HostReadout) -> None:
         """Copy a step's results to the host (waiting for the step), so its rows read without waiting."""
@@ -58,4 +71,14 @@ class Evaluator:
         if self._limiter is None:
             readout.fetch()
             return
-        await anyio.to_thread.run_sync(readout.fetch, limiter=self._limiter)
+        await self._on_worker(readout.fetch)
+
+    async def _on_worker(self, work: Callable[[], None]) -> None:
+        lock = self._lock
+        assert lock is not None
+
+        def locked() -> None:
+            with lock:
+                work()
+
+        await anyio.to_thread.run_sync(locked, limiter=self._limiter)

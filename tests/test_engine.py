@@ -506,3 +506,17 @@ def test_an_engine_evaluating_on_a_worker_thread_gives_its_thread_the_default_st
     before = str(mx.default_stream(mx.default_device()))
     during, after = run(main)
     assert during != before and after == before
+
+
+def test_threaded_engines_share_one_stream_and_so_their_compiled_steps(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, compiled_steps: Any) -> None:
+    params = GenerationParams(max_tokens=12, block_size=4)
+
+    async def once() -> list[int]:
+        async with Engine(tiny_llama, tiny_drafter, encode_thread=True) as engine:
+            return (await collect(engine, PROMPTS[3], params))[0]
+
+    first = run(once)
+    traced = set(tiny_llama.model._steps._steps) | set(tiny_drafter._steps._steps)
+    assert run(once) == first == plain(tiny_llama, PROMPTS[3], params)
+    assert set(tiny_llama.model._steps._steps) | set(tiny_drafter._steps._steps) == traced  # nothing traced again
