@@ -197,10 +197,7 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
         "plain": {**aggregate(pooled(plain)), "runs_tokens_per_s": [aggregate(run)["tokens_per_s"] for run in plain]},
     }
     if drafter is not None:
-        report.update(dflash_report(drafter, params, runs, [r.token_ids for r in plain[0]]))
-        # which prompts draft worst is what a drafter's next training data should cover
-        taus = report["reference"].pop("tau_per_prompt")
-        report["reference"]["tau_per_prompt"] = [{"name": name, "tau": tau} for (name, _), tau in zip(prompts, taus)]
+        report.update(dflash_report(drafter, params, runs, [r.token_ids for r in plain[0]], [name for name, _ in prompts]))
         fastest = report["dflash" if engine else "reference"]["tokens_per_s"]
         report["speedup"] = round(fastest / (report["plain"]["tokens_per_s"] or 1.0), 3)
     return report
@@ -222,7 +219,7 @@ def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[i
     if modes:
         for mode in modes:
             anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
-        for mode in {"sequential"} | ({THREADED} & set(modes)):  # a threaded engine traces its steps on its own stream
+        for mode in ["sequential"] + [m for m in modes if m == THREADED]:  # a threaded engine traces on its own stream
             anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, mode)
         if concurrency > 1:
             for mode in modes:
@@ -255,7 +252,7 @@ def pooled(runs: list[list[Any]]) -> list[Any]:
 
 
 def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[str, list[list[Any]]],
-                  want: list[list[int]]) -> dict[str, Any]:
+                  want: list[list[int]], names: list[str]) -> dict[str, Any]:
     """Tokens/s of each mode over all its runs (and per run), tau, round costs and exactness."""
     reference = runs.pop("reference")
     outputs = {"reference": [[r.token_ids for r, _ in run] for run in reference],
@@ -269,7 +266,9 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
     merged = SpeculativeStats([r for _, s in pooled(reference) for r in s.rounds])
     ref = {**aggregate([r for r, _ in pooled(reference)]), **merged.summary(block),
            "round_parts_ms": round_costs_ms([s for _, s in pooled(reference)]),
-           "tau_per_prompt": [round(float(s.summary(block)["tau"]), 3) for _, s in reference[0]],
+           # which prompts draft worst is what a drafter's next training data should cover
+           "tau_per_prompt": [{"name": name, "tau": round(float(s.summary(block)["tau"]), 3)}
+                              for name, (_, s) in zip(names, reference[0])],
            "runs_tokens_per_s": [aggregate([r for r, _ in run])["tokens_per_s"] for run in reference]}
     report = {"block_size": block, "reference": ref, "exact": all(exact.values()), "exact_per_mode": exact,
               "equal_outputs_per_mode": equal}

@@ -129,8 +129,12 @@ def cast_parameters(model: nn.Module, dtype: mx.Dtype) -> dict[str, Any]:
 
 def save_drafter(folder: Path, drafter: DFlashDrafter, config: dict[str, Any], dtype: str = "bfloat16") -> Path:
     """Write config.json + model.safetensors (unprefixed names) that z-lab loaders read."""
+    return write_z_lab_folder(folder, dict(tree_flatten(cast_parameters(drafter, DTYPES[dtype]))), config, dtype)
+
+
+def write_z_lab_folder(folder: Path, weights: dict[str, mx.array], config: dict[str, Any], dtype: str) -> Path:
+    """``weights`` (already in ``dtype``) and ``config`` as the folder z-lab's loaders read."""
     folder.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(cast_parameters(drafter, DTYPES[dtype])))
     # transformers refuses safetensors files whose metadata lacks a known format
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(dict(config, torch_dtype=dtype), indent=2) + "\n")

@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..cli import run_cli
 from ..errors import CheckpointError
 from ..loading import dequantize_layers, quantized_layers, read_safetensors, safetensors_files
+from .drafter import write_z_lab_folder
 
 
 def packable(name: str, tensor: mx.array, group_size: int) -> bool:
@@ -58,11 +59,7 @@ def unpack_drafter(src: Path, out: Path) -> tuple[int, int]:
     before = sum(t.nbytes for t in tensors.values())
     dequantize_layers(tensors, quantized_layers(tensors, config), mx.float32, src)
     unpacked = {name: t.astype(mx.bfloat16) for name, t in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    # transformers refuses safetensors files whose metadata lacks a known format
-    mx.save_safetensors(str(out / "model.safetensors"), unpacked, metadata={"format": "pt"})
-    config = {k: v for k, v in config.items() if k != "quantization"}
-    (out / "config.json").write_text(json.dumps(dict(config, torch_dtype="bfloat16"), indent=2) + "\n", encoding="utf-8")
+    write_z_lab_folder(out, unpacked, {k: v for k, v in config.items() if k != "quantization"}, "bfloat16")
     return before, sum(t.nbytes for t in unpacked.values())
 
 
