@@ -124,28 +124,16 @@ class Committer(Actor):
 
     async def _first_token(self, request_id: str, request: CommitterRequest) -> None:
         assert self.verifier is not None
-        prefill = self.verifier.outputs(request_id, -1)
-        await self.evaluator.fetch(prefill.readout)
-        if request_id not in self.requests:
-            return  # cancelled while its prompt was read
-        token = prefill.host().bonus
+        token = self.verifier.outputs(request_id, -1).host().bonus
         request.first_token_at = request.last_ready_at = time.perf_counter()
         await self._emit(request_id, request, request.stream.push([token]), -1, kv=request.prompt_len, ctx=0)
 
-    async def _fetch_round(self, message: Verified) -> None:
-        """Wait for round N's results on the host: the only host sync of the round."""
-        assert self.verifier is not None and self.drafter is not None
-        readouts = [self.verifier.outputs(message.request_id, message.round).readout,
-                    self.drafter.outputs(message.request_id, message.round).readout]
-        for readout in readouts:
-            await self.evaluator.fetch(readout)
-
     def _facts(self, message: Verified, request: CommitterRequest) -> tuple[RoundFacts, float]:
-        """Round N's results, read from their owners (already on the host: ``_fetch_round``)."""
+        """Read round N's results from their owners: the only host sync of the round."""
         assert self.verifier is not None and self.drafter is not None
         out = self.verifier.outputs(message.request_id, message.round)
         drafted = self.drafter.outputs(message.request_id, message.round)
-        verified, draft = out.host(), drafted.host()
+        verified, draft = out.host(), drafted.host()  # the first row read of a step waits for the step
         ready = time.perf_counter()
         a = verified.accepted
         facts = RoundFacts(
@@ -177,9 +165,6 @@ class Committer(Actor):
         await self._next_round_queued(message)
         if message.request_id not in self.requests:
             return  # cancelled while we yielded
-        await self._fetch_round(message)
-        if message.request_id not in self.requests:
-            return  # cancelled while its round was read
         facts, ready = self._facts(message, request)
         try:
             request.auditor.check(facts)

@@ -153,7 +153,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         for row, (request, round, block) in enumerate(zip(requests, rounds, blocks)):
             request.outputs[round] = DraftOutputs(drafts[row], block, readout, row)
             request.next_round += 1
-        await self.evaluator.submit(readout.packed)
+        mx.async_eval(readout.packed)
         now = time.perf_counter()
         await send_burst(self.verifier_inbox, [Drafted(
             request_id=rid, round=round, block_size=block, speculative=r.acked < round - 1, draft_queued_at=now,

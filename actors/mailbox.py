@@ -14,7 +14,6 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import ActorMessage, Failed
-from runtime.evaluator import Evaluator
 
 INBOX_SIZE = 256  # bounded: a flood of requests applies backpressure to their senders
 
@@ -31,7 +30,6 @@ class Actor:
     def __init__(self, inbox: ObjectReceiveStream[ActorMessage]) -> None:
         self.inbox = inbox
         self.failures: ObjectSendStream[ActorMessage] | None = None  # where Failed goes (the committer)
-        self.evaluator = Evaluator()  # the engine's, shared by its actors: where graphs are evaluated
 
     async def run(self) -> None:
         async with self.inbox:

@@ -152,7 +152,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         zero = mx.array([0], dtype=mx.int32)
         readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1)])
         request.outputs[-1] = RoundOutputs(first, out.taps, prompt_len, readout, 0, 0)
-        await self.evaluator.submit(readout.packed, out.taps)
+        mx.async_eval(readout.packed, out.taps)
         self.requests[message.request_id] = request
         await self.committer.send(Prefilled(request_id=message.request_id, queued_at=queued))
         await self.drafter_inbox.send(VerdictQueued(request_id=message.request_id, round=-1))
@@ -188,7 +188,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         for row, (request, message, block) in enumerate(zip(requests, rounds, blocks)):
             request.outputs[message.round] = RoundOutputs(verdict.bonus[row], out.taps[row : row + 1, :block], keep[row],
                                                           readout, row, block)
-        await self.evaluator.submit(readout.packed, out.taps)
+        mx.async_eval(readout.packed, out.taps)
         await send_burst(self.committer, [Verified(
             request_id=m.request_id, round=m.round, block_size=m.block_size, speculative=m.speculative,
             draft_queued_at=m.draft_queued_at, verify_queued_at=queued, batch_size=n) for m in rounds])

@@ -1,7 +1,7 @@
 """Where the actor engine's host time goes, per round: one mode over the bench prompts.
 
     PYTHONPATH=. python deploy/engine-parts.py MODE SECONDS [DTYPE] [DRAFTER] [--parts]
-    (MODE: pipelined, sequential, pipelined2 or threaded; DRAFTER default random:5; TOKENS, PROMPTS env)
+    (MODE: pipelined, sequential or pipelined2; DRAFTER default random:5; TOKENS, PROMPTS env)
 
 Runs the engine on the bundled bench prompts (block 16) until SECONDS have passed and prints
 each pass's round time. With ``--parts``, the actors' steps and ``mx.async_eval`` are timed
@@ -29,7 +29,6 @@ import actors.committer
 import actors.drafter
 import actors.verifier
 import runtime.batching
-import runtime.evaluator
 from protocol import GenerationParams
 from runtime.bench import DEFAULT_PROMPTS, read_prompts, run_engine
 from runtime.defaults import default_model_path
@@ -83,11 +82,11 @@ class TimedMLX:
 
 def time_parts() -> None:
     for owner, names in ((actors.drafter.Drafter, ("_draft", "_forward")), (actors.verifier.Verifier, ("_verify",)),
-                         (actors.committer.Committer, ("_commit_round", "_fetch_round", "_facts", "_emit", "_next_round_queued")),
-                         (runtime.batching.HostReadout, ("fetch",))):
+                         (actors.committer.Committer, ("_commit_round", "_facts", "_emit", "_next_round_queued")),
+                         (runtime.batching.HostReadout, ("row",))):
         for name in names:
             timed(owner, name)
-    runtime.evaluator.mx = TimedMLX()  # type: ignore[assignment]  (where the actors' graphs are queued)
+    actors.drafter.mx = actors.verifier.mx = TimedMLX()  # type: ignore[assignment]
 
 
 def main() -> None:

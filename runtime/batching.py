@@ -25,17 +25,9 @@ class HostReadout:
         self.packed = mx.concatenate([c.astype(mx.int32).reshape(c.shape[0], -1) for c in columns], axis=1)
         self._host: np.ndarray | None = None
 
-    @property
-    def fetched(self) -> bool:
-        return self._host is not None
-
-    def fetch(self) -> None:
+    def row(self, index: int) -> np.ndarray:
         if self._host is None:
             self._host = np.array(self.packed)  # waits for the step: the only host sync of it
-
-    def row(self, index: int) -> np.ndarray:
-        self.fetch()
-        assert self._host is not None
         return self._host[index]
 
 

@@ -1,14 +1,12 @@
 """``python -m runtime.bench``: plain decoding against DFlash on the same prompts, one table.
 
     python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH] [--repeat N]
-                            [--concurrency N] [--encode-thread] [--no-engine]
+                            [--concurrency N] [--no-engine]
 
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round),
 ``pipelined`` (round N+1 queued before round N is read) and ``pipelined2`` (rounds N+1 and
-N+2 queued before round N is read) modes, and with ``--encode-thread`` ``threaded`` (the
-pipelined engine evaluating on a worker thread: runtime.evaluator); ``dflash`` in the JSON is
-the pipelined engine.
+N+2 queued before round N is read) modes; ``dflash`` in the JSON is the pipelined engine.
 After a warm-up (kernel builds and compiled-step traces are not timed), each prompt runs
 through every mode back to back before the next prompt, and the whole set ``--repeat``
 times: the modes share the machine's slow and fast phases, so their ratios hold even where
@@ -99,25 +97,10 @@ def aggregate(results: list[GenerationResult]) -> dict[str, float]:
     }
 
 
-# the engine modes a bench times, by row: the engine's own, and with --encode-thread the
-# pipelined one evaluating on a worker thread (runtime.evaluator)
-THREADED = "threaded"
-
-
-def make_engine(target: LoadedModel, drafter: DFlashDrafter, mode: str, log: Path | None = None) -> Engine:
-    if mode == THREADED:
-        return Engine(target, drafter, mode="pipelined", log=log, encode_thread=True)
-    return Engine(target, drafter, mode=mode, log=log)
-
-
-def engine_modes(encode_thread: bool) -> list[str]:
-    return list(MODES) + ([THREADED] if encode_thread else [])
-
-
 async def run_engine(target: LoadedModel, drafter: DFlashDrafter, prompts: list[list[int]], params: GenerationParams,
                      mode: str, log: Path | None = None) -> list[tuple[list[int], TokenEvent]]:
     """Each prompt in turn through the actor engine (one request at a time: latency, not batching)."""
-    async with make_engine(target, drafter, mode, log) as engine:
+    async with Engine(target, drafter, mode=mode, log=log) as engine:
         results = []
         for ids in prompts:
             tokens: list[int] = []
@@ -150,7 +133,7 @@ async def run_together(target: LoadedModel, drafter: DFlashDrafter, prompts: lis
         last.append(time.perf_counter())
         results[i] = (tokens, event)
 
-    async with make_engine(target, drafter, mode, log) as engine, anyio.create_task_group() as group:
+    async with Engine(target, drafter, mode=mode, log=log) as engine, anyio.create_task_group() as group:
         for i, ids in enumerate(prompts):
             group.start_soon(one, i, ids, engine)
     return EngineGroup([r for r in results if r is not None], max(last) - min(first) if first else 0.0)
@@ -179,17 +162,15 @@ def engine_summary(groups: list[EngineGroup]) -> dict[str, Any]:
 
 def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tuple[str, list[int]]],
           params: GenerationParams, log: Path | None = None, engine: bool = True, repeat: int = 1,
-          concurrency: int = 1, encode_thread: bool = False) -> dict[str, Any]:
+          concurrency: int = 1) -> dict[str, Any]:
     """Every mode on every prompt; with no drafter, plain decoding alone; without ``engine``,
     plain decoding and the reference loop (tau and exactness, quickly on a CPU).
-    ``concurrency``: the engine modes run that many prompts at once; ``encode_thread`` adds the
-    ``threaded`` row (pipelined, evaluating on a worker thread)."""
+    ``concurrency``: the engine modes run that many prompts at once."""
     if concurrency < 1:
         raise RequestError("concurrency", f"must be at least 1, got {concurrency}")
     ids = [p for _, p in prompts]
-    modes = engine_modes(encode_thread) if engine else []
-    warm_up(target, drafter, ids, params, modes, concurrency)
-    runs = timed_runs(target, drafter, ids, params, repeat, modes, log, concurrency)
+    warm_up(target, drafter, ids, params, engine, concurrency)
+    runs = timed_runs(target, drafter, ids, params, repeat, engine, log, concurrency)
     plain = runs.pop("plain")
     report: dict[str, Any] = {
         "device": str(mx.default_device()), "dtype": target.compute_dtype, "quantized": target.quantized,
@@ -204,7 +185,7 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
 
 
 def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
-            modes: list[str], concurrency: int = 1) -> None:
+            engine: bool, concurrency: int = 1) -> None:
     """Build every kernel and compiled step the timed runs need, so no mode pays for them.
 
     The engines decode the shortest and the longest prompt to the full length, so the
@@ -216,24 +197,23 @@ def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[i
     if drafter is None:
         return
     run_dflash(target, drafter, ids[0], warm)
-    if modes:
-        for mode in modes:
+    if engine:
+        for mode in MODES:
             anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
-        for mode in ["sequential"] + [m for m in modes if m == THREADED]:  # a threaded engine traces on its own stream
-            anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, mode)
+        anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, "sequential")
         if concurrency > 1:
-            for mode in modes:
+            for mode in MODES:
                 anyio.run(run_together, target, drafter, ids[:concurrency], params, mode)
 
 
 def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
-               repeat: int, engine_modes: list[str], log: Path | None, concurrency: int = 1) -> dict[str, list[list[Any]]]:
+               repeat: int, engine: bool, log: Path | None, concurrency: int = 1) -> dict[str, list[list[Any]]]:
     """Each mode's results, per repeat and prompt (engine modes: per group of ``concurrency``
     prompts). Every group goes through all the modes back to back before the next starts: a
     slow phase of the machine (host timings on the GPU machine drift by tens of percent within
     seconds) then falls on every mode alike. Plain decoding and the reference loop take a
     group's prompts one at a time."""
-    modes = ["plain"] + (["reference"] + engine_modes if drafter is not None else [])
+    modes = ["plain"] + (["reference"] if drafter is not None else []) + (list(MODES) if drafter is not None and engine else [])
     runs: dict[str, list[list[Any]]] = {mode: [[] for _ in range(repeat)] for mode in modes}
     groups = [ids[i : i + concurrency] for i in range(0, len(ids), concurrency)]
     for r in range(repeat):
@@ -242,7 +222,7 @@ def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[lis
             if drafter is None:
                 continue
             runs["reference"][r] += [run_dflash(target, drafter, prompt, params) for prompt in group]
-            for mode in engine_modes:
+            for mode in MODES if engine else ():
                 runs[mode][r].append(anyio.run(run_together, target, drafter, group, params, mode, log))
     return runs
 
@@ -280,10 +260,6 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
         report.update(sequential=modes["sequential"], dflash=dflash, pipelined2=modes["pipelined2"],
                       **{f"{mode}_over_sequential": round(modes[mode]["tokens_per_s"] / sequential, 3)
                          for mode in ("pipelined", "pipelined2")})
-        if THREADED in modes:
-            report.update(threaded=modes[THREADED],
-                          threaded_over_sequential=round(modes[THREADED]["tokens_per_s"] / sequential, 3),
-                          threaded_over_pipelined=round(modes[THREADED]["tokens_per_s"] / (modes["pipelined"]["tokens_per_s"] or 1.0), 3))
     return report
 
 
@@ -295,7 +271,7 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'= plain':>7}")
     plain_speed = report["plain"]["tokens_per_s"] or 1.0
     names = [("plain", "plain"), ("reference", "reference"), ("sequential", "sequential"), ("pipelined", "dflash"),
-             ("pipelined2", "pipelined2"), (THREADED, THREADED)]
+             ("pipelined2", "pipelined2")]
     for name, key in names:
         if key not in report:
             continue
@@ -323,8 +299,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=1,
                         help="the engine modes run this many prompts at once (their rounds batched into shared forwards); "
                              "plain and reference stay one at a time")
-    parser.add_argument("--encode-thread", action="store_true",
-                        help="also time the pipelined engine evaluating on a worker thread (the 'threaded' row; runtime.evaluator)")
     parser.add_argument("--no-engine", action="store_true",
                         help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")
     return parser.parse_args(argv)
@@ -338,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
     report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log,
-                                                   not args.no_engine, args.repeat, args.concurrency, args.encode_thread)}
+                                                   not args.no_engine, args.repeat, args.concurrency)}
     print_json(report) if args.json else print_table(report)
 
 

@@ -26,7 +26,6 @@ from protocol import ActorMessage, Admit, GenerationParams, ModelIdentity, Reque
 from .batching import default_pad_batches
 from .defaults import default_model_path
 from .drafters import resolve_drafter
-from .evaluator import Evaluator
 from .loading import LoadedModel, hash_folder, load_target
 from .logs import RunLog
 from .models.dflash import DFlashDrafter
@@ -47,10 +46,8 @@ class EngineStats:
 class Engine:
     def __init__(self, target: LoadedModel, drafter: DFlashDrafter, *, mode: str = "pipelined",
                  log: str | Path | None = None, drafter_identity: ModelIdentity | None = None,
-                 pad_batches: bool | None = None, encode_thread: bool = False) -> None:
-        """``pad_batches``: run batched steps at power-of-two row counts (default: on a GPU only).
-        ``encode_thread``: evaluate on a worker thread while the actors go on (runtime.evaluator;
-        experimental: nothing else may evaluate MLX arrays on the engine's thread meanwhile)."""
+                 pad_batches: bool | None = None) -> None:
+        """``pad_batches``: run batched steps at power-of-two row counts (default: on a GPU only)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         self.target, self.drafter, self.mode = target, drafter, mode
@@ -61,7 +58,6 @@ class Engine:
         self._task_group: TaskGroup | None = None
         self._inboxes: dict[str, ObjectSendStream[ActorMessage]] = {}
         self._pad_batches = pad_batches
-        self.evaluator = Evaluator(threaded=encode_thread)
 
     @property
     def pads_batches(self) -> bool:
@@ -75,8 +71,7 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | Path | None = None, draft: str | Path | None = None, *, mode: str = "pipelined",
-             log: str | Path | None = None, dtype: str = "auto", pad_batches: bool | None = None,
-             encode_thread: bool = False) -> "Engine":
+             log: str | Path | None = None, dtype: str = "auto", pad_batches: bool | None = None) -> "Engine":
         """Load the target (default SmolLM2-135M-Instruct) and the drafter (default: bundled)."""
         target = load_target(model or default_model_path(), dtype=dtype)
         drafter = resolve_drafter(str(draft) if draft is not None else None, target)
@@ -84,8 +79,7 @@ class Engine:
         if draft is not None and not str(draft).startswith("random:"):
             path = Path(draft)
             identity = ModelIdentity(path.name, str(path), "dflash", hash_folder(path))
-        return cls(target, drafter, mode=mode, log=log, drafter_identity=identity, pad_batches=pad_batches,
-                   encode_thread=encode_thread)
+        return cls(target, drafter, mode=mode, log=log, drafter_identity=identity, pad_batches=pad_batches)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -104,9 +98,6 @@ class Engine:
         self.committer.verifier, self.committer.drafter = self.verifier, self.drafter_actor
         for actor in (self.verifier, self.drafter_actor):
             actor.failures = committer_send
-        self.evaluator.start()
-        for actor in (self.verifier, self.drafter_actor, self.committer):
-            actor.evaluator = self.evaluator
         self._inboxes = {"drafter": drafter_send, "verifier": verifier_send, "committer": committer_send}
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
@@ -121,10 +112,7 @@ class Engine:
             self.cancel(request_id)
         await self._quiesce()
         self._task_group.cancel_scope.cancel()
-        try:
-            result = await self._task_group.__aexit__(*exc_info)
-        finally:
-            self.evaluator.stop()
+        result = await self._task_group.__aexit__(*exc_info)
         if self.log:
             self.log.close()
         return result

@@ -6,8 +6,6 @@ means the same distribution in both, not merely a similar one.
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
 
 from protocol import GenerationParams
@@ -58,9 +56,7 @@ class Sampler:
 
     def __init__(self, params: GenerationParams) -> None:
         self.params = params
-        # drawn on the host: an MLX draw would be evaluated here, on the engine's thread, which
-        # an engine evaluating on a worker thread (runtime.evaluator) must not do
-        seed = params.seed if params.seed is not None else random.randrange(2**31 - 1)
+        seed = params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1).item())
         self._key = mx.random.key(seed)
 
     def next_key(self) -> mx.array:

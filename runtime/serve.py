@@ -26,8 +26,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=sorted(MODES), default="pipelined")
     p.add_argument("--pad-batches", choices=["auto", "on", "off"], default="auto",
                    help="run batched steps at power-of-two sizes, so few kernel shapes are built (auto: on a GPU)")
-    p.add_argument("--encode-thread", action="store_true",
-                   help="experimental: evaluate on a worker thread while the actors go on (runtime.evaluator)")
     p.add_argument("--served-model-name", default=None, help="model id clients pass (default: the target's name)")
     p.add_argument("--default-max-tokens", type=int, default=256)
     return p.parse_args(argv)
@@ -38,8 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     pad = {"auto": None, "on": True, "off": False}[args.pad_batches]
-    engine = Engine.load(args.model, args.draft, mode=args.mode, log=args.log, dtype=args.dtype, pad_batches=pad,
-                         encode_thread=args.encode_thread)
+    engine = Engine.load(args.model, args.draft, mode=args.mode, log=args.log, dtype=args.dtype, pad_batches=pad)
     app = create_app(engine, ServerSettings(model_name=args.served_model_name, max_concurrent=args.max_concurrent,
                                             max_queue=args.max_queue, block_size=args.block_size,
                                             default_max_tokens=args.default_max_tokens))

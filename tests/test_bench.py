@@ -35,17 +35,6 @@ def test_bench_json_reports_every_mode_and_equal_outputs(tiny_llama_dir: Path, t
     assert report["speedup"] == pytest.approx(report["dflash"]["tokens_per_s"] / report["plain"]["tokens_per_s"], rel=1e-2)
 
 
-def test_bench_encode_thread_adds_the_threaded_row_with_equal_outputs(tiny_llama_dir: Path, tiny_drafter_dir: Path, prompts: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),
-                "--max-tokens", "10", "--block-size", "4", "--dtype", "float32", "--json", "--encode-thread"])
-    report = json.loads(capsys.readouterr().out)
-    assert report["equal_outputs_per_mode"]["threaded"] == 3 and report["threaded"]["tokens_per_s"] > 0
-    assert report["threaded"]["tau"] == report["dflash"]["tau"]  # the same rounds, evaluated elsewhere
-    assert report["threaded_over_pipelined"] == pytest.approx(
-        report["threaded"]["tokens_per_s"] / report["dflash"]["tokens_per_s"], rel=1e-2)
-
-
 def test_bench_table_names_each_mode(tiny_llama_dir: Path, tiny_drafter_dir: Path, prompts: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),

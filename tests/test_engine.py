@@ -36,12 +36,10 @@ def run(fn: Any, backend: str = "asyncio") -> Any:
     return anyio.run(fn, backend=backend)
 
 
-@pytest.mark.parametrize("encode_thread", [False, True])
 @pytest.mark.parametrize("block", [2, 5, 16])
-def test_pipelined_sequential_and_plain_greedy_outputs_are_identical(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, block: int,
-                                                                     encode_thread: bool) -> None:
+def test_pipelined_sequential_and_plain_greedy_outputs_are_identical(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, block: int) -> None:
     async def outputs(mode: str) -> list[list[int]]:
-        async with Engine(tiny_llama, tiny_drafter, mode=mode, encode_thread=encode_thread) as engine:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
             return [(await collect(engine, p, GenerationParams(max_tokens=7 + 3 * i, block_size=block)))[0]
                     for i, p in enumerate(PROMPTS[:8])]
 
@@ -51,15 +49,13 @@ def test_pipelined_sequential_and_plain_greedy_outputs_are_identical(tiny_llama:
     assert run(lambda: outputs("pipelined2")) == want
 
 
-@pytest.mark.parametrize("backend,mode,encode_thread", [
-    ("asyncio", "pipelined", False), ("trio", "pipelined", False), ("asyncio", "pipelined2", False),
-    ("asyncio", "pipelined", True), ("trio", "pipelined2", True)])
+@pytest.mark.parametrize("backend,mode", [("asyncio", "pipelined"), ("trio", "pipelined"), ("asyncio", "pipelined2")])
 def test_fifty_concurrent_generations_finish_correctly_and_leave_no_state(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter,
-                                                                          backend: str, mode: str, encode_thread: bool) -> None:
+                                                                          backend: str, mode: str) -> None:
     results: dict[int, list[int]] = {}
 
     async def main() -> Any:
-        async with Engine(tiny_llama, tiny_drafter, mode=mode, encode_thread=encode_thread) as engine:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
             async def one(i: int) -> None:
                 results[i] = (await collect(engine, PROMPTS[i], GenerationParams(max_tokens=12, block_size=4)))[0]
 
@@ -74,11 +70,9 @@ def test_fifty_concurrent_generations_finish_correctly_and_leave_no_state(tiny_l
         assert results[i] == plain(tiny_llama, PROMPTS[i], GenerationParams(max_tokens=12))
 
 
-@pytest.mark.parametrize("encode_thread", [False, True])
-def test_leaving_the_loop_mid_request_cancels_it_and_frees_its_state(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter,
-                                                                     encode_thread: bool) -> None:
+def test_leaving_the_loop_mid_request_cancels_it_and_frees_its_state(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
     async def main() -> Any:
-        async with Engine(tiny_llama, tiny_drafter, encode_thread=encode_thread) as engine:
+        async with Engine(tiny_llama, tiny_drafter) as engine:
             seen = 0
             async for event in engine.generate(PROMPTS[0], GenerationParams(max_tokens=200, block_size=4)):
                 seen += len(event.token_ids)
@@ -114,10 +108,6 @@ class CorruptedRound:
         return row
 
     @property
-    def readout(self) -> Any:
-        return self.out.readout
-
-    @property
     def taps(self) -> Any:
         return self.out.taps[..., :-1] if self.kind == "layout" else self.out.taps
 
@@ -146,10 +136,6 @@ class RolledBackDraft:
         row = self.out.host()
         return row._replace(ctx_before=row.ctx_before - 1)
 
-    @property
-    def readout(self) -> Any:
-        return self.out.readout
-
 
 class RollingBackDrafterView:
     """The committer's view of the drafter, claiming round 2 started from a shrunk context."""
@@ -165,15 +151,15 @@ class RollingBackDrafterView:
         return getattr(self.drafter, name)
 
 
-@pytest.mark.parametrize("mode,encode_thread", [("pipelined", False), ("pipelined2", False), ("pipelined", True)])
+@pytest.mark.parametrize("mode", ["pipelined", "pipelined2"])
 @pytest.mark.parametrize("kind,error", [("lag", "LagViolation"), ("trim", "TrimViolation"), ("layout", "LayoutViolation"),
                                         ("accepted-prefix", "AcceptanceViolation"), ("no-rollback", "RollbackViolation")])
 def test_a_corrupted_verdict_ends_only_its_request_with_the_named_error(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, kind: str,
-                                                                          error: str, mode: str, encode_thread: bool) -> None:
+                                                                          error: str, mode: str) -> None:
     params = GenerationParams(max_tokens=20, block_size=4)
 
     async def main() -> Any:
-        async with Engine(tiny_llama, tiny_drafter, mode=mode, encode_thread=encode_thread) as engine:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
             if kind == "no-rollback":
                 engine.committer.drafter = RollingBackDrafterView(engine.committer.drafter, "req-0")  # type: ignore[assignment]
             else:
@@ -422,21 +408,19 @@ def compiled_steps(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> Any:
     tiny_llama.model.compile_steps = tiny_drafter.compile_steps = False
 
 
-@pytest.mark.parametrize("mode,encode_thread", [("pipelined", False), ("sequential", False), ("pipelined2", False),
-                                                ("pipelined", True)])
+@pytest.mark.parametrize("mode", ["pipelined", "sequential", "pipelined2"])
 def test_compiled_steps_give_every_request_its_plain_greedy_output(
-        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, compiled_steps: Any, mode: str, encode_thread: bool) -> None:
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, compiled_steps: Any, mode: str) -> None:
     # alone (single-request steps) and concurrently (stacked caches, padded rows, shorter blocks)
     params = [GenerationParams(max_tokens=9 + 3 * (i % 5), block_size=2 + i % 7) for i in range(12)]
     want = [plain(tiny_llama, PROMPTS[i], params[i]) for i in range(12)]
 
     async def alone() -> list[list[int]]:
-        async with Engine(tiny_llama, tiny_drafter, mode=mode, encode_thread=encode_thread) as engine:
+        async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
             return [(await collect(engine, PROMPTS[i], params[i]))[0] for i in range(4)]
 
     assert run(alone) == want[:4]
-    together = run(_run_concurrently(Engine(tiny_llama, tiny_drafter, mode=mode, pad_batches=True, encode_thread=encode_thread),
-                                     PROMPTS[:12], params))
+    together = run(_run_concurrently(Engine(tiny_llama, tiny_drafter, mode=mode, pad_batches=True), PROMPTS[:12], params))
     assert [together[i] for i in range(12)] == want
     assert tiny_llama.model._steps._steps and tiny_drafter._steps._steps  # the compiled steps did run
 
@@ -491,32 +475,3 @@ def test_a_failed_verify_on_a_kept_stack_is_retried_per_request_from_the_same_st
     monkeypatch.setattr(StackedKVCache, "advance", flaky_advance)
     engine = Engine(tiny_llama, tiny_drafter)
     injected.check_outputs(engine, tiny_llama)
-
-
-def test_an_engine_evaluating_on_a_worker_thread_gives_its_thread_the_default_stream_back(
-        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter) -> None:
-    import mlx.core as mx
-
-    async def main() -> tuple[str, str]:
-        async with Engine(tiny_llama, tiny_drafter, encode_thread=True) as engine:
-            during = str(mx.default_stream(mx.default_device()))
-            await collect(engine, PROMPTS[0], GenerationParams(max_tokens=6))
-        return during, str(mx.default_stream(mx.default_device()))
-
-    before = str(mx.default_stream(mx.default_device()))
-    during, after = run(main)
-    assert during != before and after == before
-
-
-def test_threaded_engines_share_one_stream_and_so_their_compiled_steps(
-        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, compiled_steps: Any) -> None:
-    params = GenerationParams(max_tokens=12, block_size=4)
-
-    async def once() -> list[int]:
-        async with Engine(tiny_llama, tiny_drafter, encode_thread=True) as engine:
-            return (await collect(engine, PROMPTS[3], params))[0]
-
-    first = run(once)
-    traced = set(tiny_llama.model._steps._steps) | set(tiny_drafter._steps._steps)
-    assert run(once) == first == plain(tiny_llama, PROMPTS[3], params)
-    assert set(tiny_llama.model._steps._steps) | set(tiny_drafter._steps._steps) == traced  # nothing traced again

@@ -54,10 +54,7 @@ class CompiledSteps:
         for layer in caches:
             layer.reserve(rows)
         extent = caches[0].capacity
-        # a trace keeps the stream it was made on: an engine that evaluates on another thread's
-        # stream (runtime.evaluator) needs its own
-        stream = str(mx.default_stream(mx.default_device()))  # streams compare equal but hash by object
-        step = self.get((extent, configuration, stream), lambda: make(extent))
+        step = self.get((extent, configuration), lambda: make(extent))
         outputs = step(*inputs, cache_arrays(caches))
         results = len(outputs) - 3 * len(caches)
         adopt_arrays(caches, outputs[results:], rows)
