@@ -7,7 +7,7 @@
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [lead] [spy] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -59,12 +59,12 @@ print(sys.argv[2], "|", " | ".join(f"{step} host {row['host_ms']} synced {row.ge
                                    for step, row in parts.items()), flush=True)
 PY
       done ;;
-    lead)  # how far the host may run ahead of the GPU: MLX's eval waits while more than 10 of its tasks are
-      # unfinished (transforms.cpp), and on the GPU a task is a committed graph of MLX_MAX_OPS_PER_BUFFER ops
-      # (backend/cuda/eval.cpp), so the host leads by at most ~10 x 20 ops, a fifth of a round; pipelined
-      # rounds are meant to run a round ahead
-      for ops in ${OPS:-20 50 100}; do
-        MLX_MAX_OPS_PER_BUFFER=$ops bench random5-b16-ops$ops --draft random:5 --block-size 16 --dtype native
+    settings)  # the random-drafter bench under MLX's settings, one bench per word of SETTINGS (a comma joins
+      # several): MLX_MAX_OPS_PER_BUFFER (ops per CUDA graph; MLX's eval waits while more than 10 committed graphs
+      # are unfinished, transforms.cpp, so it bounds how far the host leads the GPU) and MLX_CUDA_USE_CUDNN_SDPA
+      # (cuDNN's attention is ~13% of a round's host time in py-spy, session 7)
+      for setting in ${SETTINGS:-MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_USE_CUDNN_SDPA=0}; do
+        (export ${setting//,/ }; bench "random5-b16-${setting//[=,]/-}" --draft random:5 --block-size 16 --dtype native)
       done ;;
     spy)  # where each mode's host time goes, waits included: py-spy (PY_SPY, default py-spy) of
       # deploy/engine-parts.py, --idle so that time blocked in MLX (a full queue, a readout) shows as frames;
