@@ -18,7 +18,7 @@ from runtime.models.dflash import DFlashDrafter
 from runtime.plain import plain_steps
 from runtime.sampling import Sampler
 from runtime.training.batches import block_labels, make_micro_batch, sample_anchors, training_mask
-from runtime.training.corpora import DataError, Prompt, file_prompts, is_heldout, load_prompts
+from runtime.training.corpora import DataError, Prompt, even_shares, file_prompts, is_heldout, load_prompts
 from runtime.training.data import Example, GenerationLimits, ResponseCache, build_examples, greedy_batch
 from runtime.training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter
 from runtime.training.trainer import Trainer, TrainSettings, block_logits
@@ -260,6 +260,27 @@ def test_a_prompt_held_by_two_sources_is_trained_once(tmp_path: Path) -> None:
     contents = [p.content() for p in prompts]
     assert len(contents) == len(set(contents)) == 3
     assert sum("shared question" in c for c in contents) == 1
+
+
+def test_a_small_source_leaves_its_unused_share_to_the_others(tmp_path: Path) -> None:
+    small, large = tmp_path / "small.txt", tmp_path / "large.txt"
+    small.write_text("\n".join(f"small question {i}" for i in range(3)))
+    large.write_text("\n".join(f"large question {i}" for i in range(100)))
+    prompts = load_prompts([str(small), str(large)], 20, seed=0)
+    contents = [p.content() for p in prompts]
+    assert len(contents) == 20
+    assert sum("small question" in c for c in contents) == 3
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(f"other question {i}" for i in range(100)))
+    both = [p.content() for p in load_prompts([str(large), str(other)], 21, seed=0)]
+    assert sum("large question" in c for c in both) == sum("other question" in c for c in both) == 11
+
+
+def test_even_shares_split_what_small_sources_cannot_fill() -> None:
+    assert even_shares([100, 100], 21) == [11, 11]  # equal shares rounded up, as before any source ran short
+    assert even_shares([5, 100, 100], 60) == [5, 28, 28]
+    assert even_shares([5, 8], 60) == [5, 8]
+    assert even_shares([], 10) == []
 
 
 def test_gsm_training_prompts_avoid_the_evaluation_seeds() -> None:

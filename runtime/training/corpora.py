@@ -423,14 +423,27 @@ def _source_prompts(name: str, quota: int, seed: int) -> list[Prompt]:
 
 
 def load_prompts(sources: list[str], samples: int, seed: int) -> list[Prompt]:
-    """Up to ``samples`` prompts, shared evenly among ``sources`` (names or file paths); a prompt
-    that several sources hold comes once, from the first."""
-    quota = -(-samples // len(sources))
+    """Up to ``samples`` prompts, shared evenly among ``sources`` (names or file paths), what a small
+    source cannot fill going to the others; a prompt that several sources hold comes once, from the first."""
+    picks = [_source_prompts(name, samples, seed) for name in sources]
     seen: set[str] = set()
     unique = []
-    for prompt in (p for name in sources for p in _source_prompts(name, quota, seed)):
-        content = prompt.content()
-        if content not in seen:
-            seen.add(content)
-            unique.append(prompt)
+    for pick, share in zip(picks, even_shares([len(pick) for pick in picks], samples)):
+        for prompt in pick[:share]:
+            content = prompt.content()
+            if content not in seen:
+                seen.add(content)
+                unique.append(prompt)
     return unique
+
+
+def even_shares(sizes: list[int], total: int) -> list[int]:
+    """How many of ``total`` each source gives: the same number from each (rounded up, so a larger
+    ``total`` keeps every smaller pick), a source smaller than that giving all it has."""
+    if sum(sizes) <= total:
+        return list(sizes)
+    low, high = 0, max(sizes)  # the least level whose capped shares reach the total
+    while low < high:
+        level = (low + high) // 2
+        low, high = (level + 1, high) if sum(min(n, level) for n in sizes) < total else (low, level)
+    return [min(n, low) for n in sizes]
