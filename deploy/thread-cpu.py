@@ -1,0 +1,60 @@
+"""Each thread's CPU share of a running process over a few seconds, and the cores it ran on.
+
+    python deploy/thread-cpu.py PID [SECONDS]
+
+For the question a sampling profiler cannot answer: py-spy sees only Python's threads, and the
+engine's host time per round grows when the GPU is busy in every frame alike, as if the thread
+ran slower; a native thread of MLX's (an event poller, a completion handler) spinning on the
+same physical core would do that. Reads /proc (Linux), prints one line per thread and the
+cores' hyper-thread siblings.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def thread_times(pid: int) -> dict[int, tuple[str, int, int]]:
+    """tid -> (name, user + system clock ticks, the core it last ran on)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended between listing and reading
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()  # fields from the state on (stat's 3rd field)
+        out[int(task.name)] = (name, int(fields[11]) + int(fields[12]), int(fields[36]))
+    return out
+
+
+def siblings() -> dict[int, str]:
+    cores = {}
+    for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*"):
+        path = cpu / "topology" / "thread_siblings_list"
+        if path.exists():
+            cores[int(cpu.name[3:])] = path.read_text().strip()
+    return cores
+
+
+def main(argv: list[str]) -> None:
+    pid, seconds = int(argv[1]), float(argv[2]) if len(argv) > 2 else 5.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    before = thread_times(pid)
+    time.sleep(seconds)
+    after = thread_times(pid)
+    rows = []
+    for tid, (name, total, core) in after.items():
+        used = (total - before.get(tid, (name, total, core))[1]) / ticks / seconds
+        rows.append((used, tid, name, core))
+    for used, tid, name, core in sorted(rows, reverse=True):
+        if used >= 0.005:
+            print(f"thread {tid:>8} {name:<16} {used:6.1%} of a core, last on cpu {core}")
+    print("hyper-thread siblings:", " ".join(sorted(set(siblings().values()))))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
