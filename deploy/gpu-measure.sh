@@ -63,8 +63,9 @@ PY
     settings)  # the random-drafter bench under MLX's settings, one bench per word of SETTINGS (a comma joins
       # several): MLX_MAX_OPS_PER_BUFFER (ops per CUDA graph; MLX's eval waits while more than 10 committed graphs
       # are unfinished, transforms.cpp, so it bounds how far the host leads the GPU) and MLX_CUDA_USE_CUDNN_SDPA
-      # (cuDNN's attention is ~13% of a round's host time in py-spy, session 7)
-      for setting in ${SETTINGS:-MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_USE_CUDNN_SDPA=0}; do
+      # (cuDNN's attention is ~13% of a round's host time in py-spy, session 7) and MLX_USE_CUDA_GRAPHS (kernels
+      # launched one by one instead of graphs updated and relaunched)
+      for setting in ${SETTINGS:-MLX_MAX_OPS_PER_BUFFER=20 MLX_CUDA_USE_CUDNN_SDPA=0 MLX_USE_CUDA_GRAPHS=0}; do
         (export ${setting//,/ }; bench "random5-b16-${setting//[=,]/-}" --draft random:5 --block-size 16 --dtype native)
       done ;;
     spy)  # where each mode's host time goes, waits included: py-spy (PY_SPY, default py-spy) of
