@@ -410,9 +410,7 @@ NAMED_SOURCES: dict[str, Callable[[], list[Prompt]]] = {
 SOURCE_NAMES = ("gsm", *NAMED_SOURCES, f"{PACKAGE_PREFIX}DIST")  # as --data's help lists them
 
 
-def _source_prompts(name: str, quota: int, seed: int) -> list[Prompt]:
-    if name == "gsm":
-        return gsm_prompts(quota, seed)
+def _source_prompts(name: str, quota: int) -> list[Prompt]:
     if name.startswith(PACKAGE_PREFIX):
         prompts = package_prompts(name.removeprefix(PACKAGE_PREFIX))
     else:
@@ -425,11 +423,13 @@ def _source_prompts(name: str, quota: int, seed: int) -> list[Prompt]:
 def load_prompts(sources: list[str], samples: int, seed: int) -> list[Prompt]:
     """Up to ``samples`` prompts, shared evenly among ``sources`` (names or file paths), what a small
     source cannot fill going to the others; a prompt that several sources hold comes once, from the first."""
-    picks = [_source_prompts(name, samples, seed) for name in sources]
+    # every source but gsm is read whole anyway; gsm's questions are generated, only as many as its share
+    picks = [None if name == "gsm" else _source_prompts(name, samples) for name in sources]
+    shares = even_shares([samples if pick is None else len(pick) for pick in picks], samples)
     seen: set[str] = set()
     unique = []
-    for pick, share in zip(picks, even_shares([len(pick) for pick in picks], samples)):
-        for prompt in pick[:share]:
+    for pick, share in zip(picks, shares):
+        for prompt in gsm_prompts(share, seed) if pick is None else pick[:share]:
             content = prompt.content()
             if content not in seen:
                 seen.add(content)
