@@ -34,6 +34,12 @@ print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", ro
 PY
 }
 
+start_warm_engine() {  # mode, seconds, log: deploy/engine-parts.py in the background ($pid), returning once it is warm
+  python3 deploy/engine-parts.py "$1" "$2" native random:5 > "$3" 2>&1 &
+  pid=$!
+  for _ in $(seq 120); do grep -q warm "$3" && break; sleep 1; done
+}
+
 [ $# -gt 0 ] || set -- plain random
 for what in "$@"; do
   case $what in
@@ -72,18 +78,14 @@ PY
       # deploy/engine-parts.py, --idle so that time blocked in MLX (a full queue, a readout) shows as frames;
       # compare the two with `python deploy/spy-diff.py $OUT/spy-pipelined.txt $OUT/spy-sequential.txt`
       for mode in pipelined sequential; do
-        python3 deploy/engine-parts.py $mode 40 native random:5 > "$OUT/parts-$mode.log" 2>&1 &
-        pid=$!
-        for _ in $(seq 120); do grep -q warm "$OUT/parts-$mode.log" && break; sleep 1; done
+        start_warm_engine $mode 40 "$OUT/parts-$mode.log"
         "${PY_SPY:-py-spy}" record --pid $pid --duration 20 -r 400 --native --idle -f raw -o "$OUT/spy-$mode.txt" > /dev/null 2>&1
         wait $pid; tail -2 "$OUT/parts-$mode.log"
       done ;;
     threads)  # each thread's CPU share while an engine runs, per mode (deploy/thread-cpu.py): whether one of MLX's
       # native threads spins beside the engine's (py-spy sees Python's threads only)
       for mode in pipelined sequential; do
-        python3 deploy/engine-parts.py $mode 30 native random:5 > "$OUT/threads-$mode.log" 2>&1 &
-        pid=$!
-        for _ in $(seq 120); do grep -q warm "$OUT/threads-$mode.log" && break; sleep 1; done
+        start_warm_engine $mode 30 "$OUT/threads-$mode.log"
         echo "$mode:"; python3 deploy/thread-cpu.py $pid 10
         wait $pid; tail -1 "$OUT/threads-$mode.log"
       done ;;
