@@ -31,13 +31,10 @@ def thread_times(pid: int) -> dict[int, tuple[str, int, int]]:
     return out
 
 
-def siblings() -> dict[int, str]:
-    cores = {}
-    for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*"):
-        path = cpu / "topology" / "thread_siblings_list"
-        if path.exists():
-            cores[int(cpu.name[3:])] = path.read_text().strip()
-    return cores
+def siblings() -> list[str]:
+    """Each physical core's logical CPUs, such as "0,8" or "0-1"."""
+    paths = Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings_list")
+    return sorted({path.read_text().strip() for path in paths})
 
 
 def main(argv: list[str]) -> None:
@@ -48,12 +45,12 @@ def main(argv: list[str]) -> None:
     after = thread_times(pid)
     rows = []
     for tid, (name, total, core) in after.items():
-        used = (total - before.get(tid, (name, total, core))[1]) / ticks / seconds
+        used = (total - before.get(tid, (name, 0, core))[1]) / ticks / seconds  # one born in the window: all its time
         rows.append((used, tid, name, core))
     for used, tid, name, core in sorted(rows, reverse=True):
         if used >= 0.005:
             print(f"thread {tid:>8} {name:<16} {used:6.1%} of a core, last on cpu {core}")
-    print("hyper-thread siblings:", " ".join(sorted(set(siblings().values()))))
+    print("hyper-thread siblings:", " ".join(siblings()))
 
 
 if __name__ == "__main__":
