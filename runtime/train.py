@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gamma", type=float, help="loss decay over block rows (default 7 for B=16, 4 for B=8)")
     p.add_argument("--anchors-per-seq", type=int, default=64)
     p.add_argument("--init", type=Path, help="start from this drafter's weights (its layers, taps, block and mask "
-                   "then replace --layers/--taps/--block-size/--mask-token-id): train an existing drafter further")
+                   "then replace --layers/--block-size/--mask-token-id): train an existing drafter further; "
+                   "--taps then lists its taps and more, the added ones read through zero weights at first")
     p.add_argument("--grow-to", type=int, metavar="LAYERS", help="with --init: a deeper drafter, its first layers "
                    "the init's and the added ones starting as the identity (it first drafts as the init does)")
     p.add_argument("--layers", type=int, default=3, help="drafter layers")
@@ -79,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.grow_to and args.init is None:
         p.error("--grow-to needs --init (the drafter to grow)")
     return args
+
+
+def growing(args: argparse.Namespace) -> bool:
+    """Whether the --init drafter grows (more layers or taps) before training."""
+    return bool(args.grow_to or args.taps)
 
 
 def compute_dtype(choice: str) -> str:
@@ -104,7 +110,7 @@ def prepare(args: argparse.Namespace) -> Run:
         config = json.loads((args.init / "config.json").read_text())
         config.pop("quantization", None)  # a packed drafter (runtime.training.pack) trains unpacked
         args.block_size = int(config["dflash_config"].get("block_size", config.get("block_size", args.block_size)))
-        return Run(target, grown_config(config, args.grow_to) if args.grow_to else config, dtype)
+        return Run(target, grown_config(config, args.grow_to, args.taps) if growing(args) else config, dtype)
     mask_id = args.mask_token_id if args.mask_token_id is not None else choose_mask_token(target.model.args, target.tokenizer)
     shape = DrafterShape(args.layers, args.block_size, args.intermediate_size, tuple(args.taps or ()) or None)
     return Run(target, drafter_config(target.model.args, shape, mask_id), dtype)
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[run.dtype]
     if args.init is not None:
         drafter = load_drafter(args.init, run.target, fuse=False)  # checks the pair; weights in the compute dtype
-        if args.grow_to:
+        if growing(args):
             drafter = grown_drafter(drafter, run.config, args.seed, dtype).bind(run.target.model)
     else:
         drafter = new_drafter(run.config, args.seed, dtype).bind(run.target.model)

@@ -409,6 +409,42 @@ def test_a_grown_drafter_first_drafts_as_its_init_then_trains_its_new_layers(
     assert mx.abs(weights[moved]["layers.2.mlp.down_proj.weight"]).max().item() > 0  # training moved it
 
 
+def test_a_drafter_given_more_taps_first_drafts_as_its_init_then_trains_them(
+        trained_dir: Path, tiny_llama_dir: Path, tiny_llama: LoadedModel, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWhat is two plus two?\nTell me about foxes.\n")
+    wider = (0, *TAPS)  # the init's taps move one place along fc's input
+
+    def widen(out: str, lr: str) -> Path:
+        train_cli.main([
+            "--model", str(tiny_llama_dir), "--init", str(trained_dir), "--taps", *map(str, wider),
+            "--out", str(tmp_path / out), "--data", str(prompts), "--samples", "3", "--max-new-tokens", "24",
+            "--epochs", "1", "--batch-size", "2", "--micro-batch", "2", "--anchors-per-seq", "8",
+            "--cache-dir", str(tmp_path / "cache"), "--heldout-fraction", "0", "--no-compile", "--lr", lr,
+        ])
+        return tmp_path / out
+
+    still, moved = widen("still", "0"), widen("moved", "1e-2")
+    assert json.loads((still / "config.json").read_text())["dflash_config"]["target_layer_ids"] == list(wider)
+    start, same, trained = (load_drafter(d, tiny_llama) for d in (trained_dir, still, moved))
+    assert same.tap_layers == wider
+    prompt, block = mx.array([[7, 8, 9, 10]]), mx.array([[11] + [MASK_ID] * (BLOCK - 1)])
+    hidden = [d.hidden(block, tiny_llama.model(prompt, tap_layers=d.tap_layers).taps, d.make_cache())
+              for d in (start, same, trained)]
+    assert mx.allclose(hidden[0], hidden[1], atol=1e-2).item()  # the added tap is read through zeros (bf16 export)
+    assert not mx.allclose(hidden[0], hidden[2], atol=1e-2).item()
+    width = tiny_llama.model.args.hidden_size
+    fc = {d: mx.load(str(d / "model.safetensors"))["fc.weight"] for d in (still, moved)}
+    assert mx.abs(fc[still][:, :width]).max().item() == 0
+    assert mx.abs(fc[moved][:, :width]).max().item() > 0  # training moved the added tap's columns
+
+
+def test_more_taps_must_keep_the_init_drafters_taps(trained_dir: Path, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(Exception, match=r"list the drafter's taps \[1, 2\]"):
+        train_cli.main(["--model", str(tiny_llama_dir), "--init", str(trained_dir), "--taps", "0", "1",
+                        "--out", str(tmp_path / "out"), "--data", "missing.txt", "--samples", "1"])
+
+
 def test_a_finished_run_refuses_to_restart_without_resume(trained_dir: Path, tiny_llama_dir: Path) -> None:
     with pytest.raises(Exception, match="--resume"):
         train_cli.main(["--model", str(tiny_llama_dir), "--out", str(trained_dir), "--data", "missing.txt",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,28 +99,50 @@ def new_drafter(config: dict[str, Any], seed: int, dtype: mx.Dtype = mx.float32)
     return drafter
 
 
-def grown_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
-    """``config`` with ``layers`` layers, the added ones of its last layer's kind."""
-    have = int(config["num_hidden_layers"])
-    if layers <= have:
-        raise DataError(f"--grow-to {layers}: the drafter already has {have} layers; grow to more")
-    grown = dict(config, num_hidden_layers=layers)
-    if config.get("layer_types"):
-        grown["layer_types"] = list(config["layer_types"]) + [config["layer_types"][-1]] * (layers - have)
+def grown_config(config: dict[str, Any], layers: int | None = None, taps: Sequence[int] | None = None) -> dict[str, Any]:
+    """``config`` with ``layers`` layers (the added ones of its last layer's kind) and/or with
+    ``taps`` as its tapped target layers, which must keep every layer it taps now."""
+    grown = dict(config)
+    if layers is not None:
+        have = int(config["num_hidden_layers"])
+        if layers <= have:
+            raise DataError(f"--grow-to {layers}: the drafter already has {have} layers; grow to more")
+        grown["num_hidden_layers"] = layers
+        if config.get("layer_types"):
+            grown["layer_types"] = list(config["layer_types"]) + [config["layer_types"][-1]] * (layers - have)
+    if taps is not None:
+        have_taps = drafter_args(config).target_layer_ids
+        if len(set(taps)) != len(taps) or not set(have_taps) < set(taps):
+            raise DataError(f"--taps {list(taps)} with --init: list the drafter's taps {have_taps} and at least "
+                            "one more layer, each once")
+        if not all(0 <= t < int(config["num_target_layers"]) for t in taps):
+            raise DataError(f"--taps {list(taps)}: the target has layers 0..{int(config['num_target_layers']) - 1}")
+        grown["dflash_config"] = dict(config.get("dflash_config") or {}, target_layer_ids=list(taps))
     return grown
 
 
 def grown_drafter(start: DFlashDrafter, config: dict[str, Any], seed: int, dtype: mx.Dtype) -> DFlashDrafter:
-    """A deeper drafter that starts out drafting exactly as ``start``: its first layers are
-    ``start``'s, and each added layer's output projections are zero, so it adds nothing to
-    the residual stream until training moves them (their inputs' projections start random)."""
+    """A drafter with more layers or taps than ``start`` that starts out drafting exactly as it:
+    its first layers are ``start``'s, each added layer's output projections are zero (it adds
+    nothing to the residual stream until training moves them; their inputs' projections start
+    random), and ``fc`` reads an added tap through zero columns (see ``widened_fc``)."""
     grown = new_drafter(config, seed, dtype)
     grown.update(start.parameters())  # every tensor start has, by name; the added layers keep theirs
+    grown.fc.weight = widened_fc(start.fc.weight, start.args.target_layer_ids, grown.args.target_layer_ids)
     for layer in grown.layers[len(start.layers):]:
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     mx.eval(grown.parameters())
     return grown
+
+
+def widened_fc(weight: mx.array, taps: Sequence[int], wider: Sequence[int]) -> mx.array:
+    """``fc``'s weight ``[H, len(wider)*H]`` for the taps ``wider``: a tap of ``taps`` keeps its
+    columns (the input is ``[token, tap*H]`` in tap order), an added one gets zeros."""
+    width = weight.shape[1] // len(taps)
+    zeros = mx.zeros((weight.shape[0], width), weight.dtype)
+    return mx.concatenate([weight[:, taps.index(t) * width:(taps.index(t) + 1) * width] if t in taps else zeros
+                           for t in wider], axis=1)
 
 
 def cast_parameters(model: nn.Module, dtype: mx.Dtype) -> dict[str, Any]:
