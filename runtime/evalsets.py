@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .cli import run_cli
-from .training.corpora import GSM_EVAL_SEEDS, chat_prompts, is_heldout, package_file
+from .training.corpora import GSM_EVAL_SEEDS, HELDOUT_FRACTION, chat_prompts, is_heldout, package_file
 
-HELDOUT_FRACTION = 0.02  # the training default: these prompts never enter training
 
 
 def humaneval(count: int) -> list[dict[str, Any]]:

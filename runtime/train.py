@@ -24,7 +24,7 @@ from .cli import run_cli
 from .defaults import default_model_path
 from .errors import RuntimeErrorBase
 from .loading import DTYPES, LoadedModel, load_drafter, load_target
-from .training.corpora import SOURCE_NAMES, load_prompts
+from .training.corpora import HELDOUT_FRACTION, SOURCE_NAMES, load_prompts
 from .training.data import Example, GenerationLimits, ResponseCache, build_examples, cache_file
 from .training.drafter import (DrafterShape, choose_mask_token, drafter_config, grown_config, grown_drafter, new_drafter,
                                parameter_count, save_drafter)
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=2000, help="prompts in all, shared evenly among the sources")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response cap when regenerating")
     p.add_argument("--max-seq-len", type=int, default=1024, help="prompt + response cap")
-    p.add_argument("--heldout-fraction", type=float, default=0.02, help="share of prompts held out (by hash)")
+    p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION, help="share of prompts held out (by hash)")
     p.add_argument("--eval-samples", type=int, default=64, help="held-out sequences scored after each epoch")
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts regenerated together")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where regenerated responses are kept")

@@ -8,7 +8,8 @@ import pytest
 
 from runtime.loading import LoadedModel
 from runtime.training.corpora import DataError, file_prompts
-from runtime.training.questions import ASKS, ask_prompts, extract_question, main, topics, write_questions
+from runtime.training.questions import (ASKS, LIKE_ASKS, ask_prompts, canonical, chat_lines, extract_question, like_prompts, main,
+                                        topics, write_questions)
 
 
 @pytest.mark.parametrize("reply, question", [
@@ -41,7 +42,7 @@ def test_asks_cover_every_topic_with_every_template() -> None:
         pytest.skip(f"corpus packages not installed: {exc}")
     assert "artificial intelligence" in names and len(names) == len(set(names)) > 100
     assert "Athens" in names and "intelligent" in names  # an analogy word; a SimLex-999 word alone
-    assert ask_prompts(limit=len(ASKS))[0] == ASKS[0].format(names[0]) and len(ask_prompts()) == len(ASKS) * len(names)
+    assert ask_prompts()[0] == ASKS[0].format(names[0]) and len(ask_prompts()) == len(ASKS) * len(names)
 
 
 def test_topics_written_where_the_corpora_are_read_back_where_they_are_not(tmp_path: Path) -> None:
@@ -52,4 +53,31 @@ def test_topics_written_where_the_corpora_are_read_back_where_they_are_not(tmp_p
     written = tmp_path / "topics.txt"
     main(["--out", str(tmp_path / "unused.jsonl"), "--write-topics", str(written)])
     assert written.read_text(encoding="utf-8").splitlines() == names
-    assert ask_prompts(topic_list=["tea", "chess"]) == [ask.format(t) for t in ("tea", "chess") for ask in ASKS]
+    assert ask_prompts(["tea", "chess"]) == [ask.format(t) for t in ("tea", "chess") for ask in ASKS]
+
+
+def test_prompts_the_target_writes_equal_to_a_known_line_are_dropped(smollm2: LoadedModel, tmp_path: Path) -> None:
+    asks = [ask.format("robots") for ask in ASKS[:3]]
+    first = tmp_path / "first.jsonl"
+    assert write_questions(smollm2, asks, first, batch_size=3) >= 1
+    known = frozenset(canonical(p.messages[0][1]) for p in file_prompts(first))
+    assert write_questions(smollm2, asks, tmp_path / "again.jsonl", batch_size=3, known=known) == 0
+
+
+def test_canonical_lines_ignore_case_punctuation_and_spacing() -> None:
+    assert canonical("Are you  a Programmer?") == canonical("are you a programmer") != canonical("Are you a poet?")
+
+
+def test_like_chat_asks_quote_training_lines_and_held_out_lines_are_known() -> None:
+    from runtime.evalsets import chat
+
+    try:
+        lines, known = chat_lines()
+    except DataError as exc:
+        pytest.skip(f"corpus packages not installed: {exc}")
+    rows = chat(40)
+    single = [row["messages"][0]["content"] for row in rows if len(row["messages"]) == 1]
+    every = [m["content"] for row in rows for m in row["messages"]]
+    assert len(rows) == 37 and len(single) > 30 and not set(single) & set(lines) and len(lines) > 1000
+    assert all(canonical(line) in known for line in every + lines)  # so none comes out as a new prompt
+    assert like_prompts(lines[:2]) == [ask.format(line) for line in lines[:2] for ask in LIKE_ASKS]

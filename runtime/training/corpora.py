@@ -76,6 +76,9 @@ def content_hash(prompt: Prompt, purpose: str) -> int:
     return int(hashlib.sha256(f"{purpose}:{prompt.content()}".encode()).hexdigest()[:16], 16)
 
 
+HELDOUT_FRACTION = 0.02  # the trainer's default share held out: evaluation sets are drawn from it
+
+
 def is_heldout(prompt: Prompt, heldout_fraction: float) -> bool:
     return content_hash(prompt, "split") < heldout_fraction * 2**64
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..cli import run_cli
 from .corpora import (
+    HELDOUT_FRACTION,
     SOURCE_NAMES,
     DataError,
     Prompt,
@@ -38,7 +39,6 @@ from .corpora import (
     record_prompt,
 )
 
-HELDOUT_FRACTION = 0.02  # the trainer's default split
 
 
 DEF_NAME = re.compile(r"^\s*(?:async\s+)?def\s+(\w+)\s*\(")

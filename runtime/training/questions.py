@@ -1,7 +1,8 @@
 """``python -m runtime.training.questions``: chat prompts that the target writes itself.
 
-    python -m runtime.training.questions --out runs/prompts/self-chat.jsonl [--model M] [--batch-size 64] [--limit N]
+    python -m runtime.training.questions --out runs/prompts/self-chat.jsonl [--model M] [--batch-size 64] [--skip N] [--limit N]
         [--topics FILE]  (one topic per line; written by --write-topics FILE where the corpus packages are installed)
+        [--like-chat]  (instead: messages in the style of chatterbot's training lines)
 
 Chat is where the package corpora teach a drafter least: chatterbot's lines are few, and
 the held-out chat set is made of them. So the target is asked, greedily, to write what a
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from ..cli import add_model_arguments, run_cli
 from ..defaults import default_model_path
 from ..loading import LoadedModel, load_target
-from .corpora import analogy_lines, chatterbot_files, simlex_words, user_prompt
+from .corpora import HELDOUT_FRACTION, analogy_lines, chat_prompts, chatterbot_files, is_heldout, simlex_words, user_prompt
 from .data import greedy_batch, length_sorted_batches, render_prompt
 
 # what the target is asked to write, about each topic
@@ -46,6 +47,17 @@ ASKS = (
     "Write one short statement about {} that a person might type to start a conversation. Reply with the statement only.",
     "Write one question that asks a chatbot to explain {} in detail. Reply with the question only.",
 )
+# what the target is asked to write after one of chatterbot's training lines: the held-out
+# chat set is made of such lines, so prompts in their style teach the drafter its replies
+LIKE_ASKS = (
+    'A person said this to a chatbot: "{}" Write one different message a person might send a chatbot in the same style. '
+    "Reply with the message only.",
+    'Rephrase this message to a chatbot in other words: "{}" Reply with the new message only.',
+    'A person told a chatbot: "{}" Write the next message the person might send. Reply with the message only.',
+    'Write one question on the same subject as this message to a chatbot: "{}" Reply with the question only.',
+    'Write one bold claim on the same subject as this message: "{}" Reply with the claim only.',
+    'Write one trivia question on the same subject as this message: "{}" Reply with the question only.',
+)
 # chatterbot-corpus file stems, as a person would name them
 CATEGORY_TOPICS = {"ai": "artificial intelligence", "botprofile": "the chatbot itself", "conversations": "everyday life",
                    "emotion": "feelings", "gossip": "gossip", "tech_support": "tech support"}
@@ -63,6 +75,20 @@ def topics() -> list[str]:
     return list(found)
 
 
+def chat_lines() -> tuple[list[str], set[str]]:
+    """chatterbot's single-line prompts outside the held-out split, and the canonical form
+    (``canonical``) of every line it has: a written prompt equal to one of them is dropped,
+    so the held-out ones never enter training and the training ones are not added twice."""
+    prompts = [p for p in chat_prompts() if len(p.messages) == 1]
+    known = {canonical(content) for p in chat_prompts() for _, content in p.messages}
+    lines = [p.messages[0][1] for p in prompts if not is_heldout(p, HELDOUT_FRACTION)]
+    return [line for line in lines if len(canonical(line)) >= 2], known  # not the corpus's stray '"' or ','
+
+
+def canonical(text: str) -> str:
+    return " ".join(re.sub(r"[^\w\s]", "", text.casefold()).split())
+
+
 def extract_question(reply: str) -> str | None:
     """The question (or remark) in the target's reply: its first quoted sentence, else its first
     line without a lead-in such as "A person might ask:"; None for placeholders, fragments and
@@ -75,16 +101,22 @@ def extract_question(reply: str) -> str | None:
     return text
 
 
-def ask_prompts(limit: int | None = None, topic_list: list[str] | None = None) -> list[str]:
-    """Every ask about every topic (default: ``topics()``), topics in order (a smaller ``limit`` keeps a prefix)."""
-    asks = [ask.format(topic) for topic in (topic_list if topic_list is not None else topics()) for ask in ASKS]
-    return asks[:limit] if limit is not None else asks
+def ask_prompts(topic_list: list[str] | None = None) -> list[str]:
+    """Every ask about every topic (default: ``topics()``), topics in order."""
+    return [ask.format(topic) for topic in (topic_list if topic_list is not None else topics()) for ask in ASKS]
 
 
-def write_questions(target: LoadedModel, asks: list[str], out: Path, batch_size: int) -> int:
+def like_prompts(lines: list[str]) -> list[str]:
+    """Every ask of ``LIKE_ASKS`` about every line, lines in order."""
+    return [ask.format(line) for line in lines for ask in LIKE_ASKS]
+
+
+def write_questions(target: LoadedModel, asks: list[str], out: Path, batch_size: int,
+                    known: frozenset[str] = frozenset()) -> int:
     """Ask the target, extract the distinct questions, write them as chat prompts; returns how many.
 
-    Each batch's new questions are written as they come, so a run cut short keeps its work.
+    A question whose ``canonical`` form is in ``known`` is dropped. Each batch's new questions
+    are written as they come, so a run cut short keeps its work.
     """
     ids = [render_prompt(user_prompt("self-chat", ask), target.tokenizer) for ask in asks]
     questions: dict[str, None] = {}
@@ -93,7 +125,7 @@ def write_questions(target: LoadedModel, asks: list[str], out: Path, batch_size:
         for batch in length_sorted_batches([len(p) for p in ids], batch_size):
             for reply in greedy_batch(target.model, [ids[i] for i in batch], MAX_REPLY_TOKENS, target.tokenizer.eos_token_ids):
                 question = extract_question(target.tokenizer.decode(reply, skip_special_tokens=True))
-                if question is not None and question not in questions:
+                if question is not None and question not in questions and canonical(question) not in known:
                     questions[question] = None
                     handle.write(json.dumps({"messages": [{"role": "user", "content": question}]}, ensure_ascii=False) + "\n")
             handle.flush()
@@ -108,17 +140,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch-size", type=int, default=64, help="asks decoded together")
     parser.add_argument("--limit", type=int, help="only the first N asks")
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first N asks (another run asked them)")
     parser.add_argument("--topics", type=Path, help="topics, one per line (default: from the corpus packages)")
     parser.add_argument("--write-topics", type=Path, help="write the corpus packages' topics to this file and stop")
+    parser.add_argument("--like-chat", action="store_true", help="instead of topics: messages in the style of "
+                        "chatterbot's training lines (needs the corpus package; held-out lines never come out)")
     args = parser.parse_args(argv)
     if args.write_topics:
         found = topics()
         args.write_topics.write_text("".join(f"{topic}\n" for topic in found), encoding="utf-8")
         print(f"{args.write_topics}: {len(found)} topics")
         return
-    topic_list = [t for t in args.topics.read_text(encoding="utf-8").splitlines() if t.strip()] if args.topics else None
+    known: frozenset[str] = frozenset()
+    if args.like_chat:
+        lines, canonical_lines = chat_lines()
+        asks, known = like_prompts(lines), frozenset(canonical_lines)
+    else:
+        topic_list = [t for t in args.topics.read_text(encoding="utf-8").splitlines() if t.strip()] if args.topics else None
+        asks = ask_prompts(topic_list)
+    asks = asks[args.skip:][: args.limit]
     target = load_target(args.model or default_model_path(), dtype=args.dtype)
-    print(f"{args.out}: {write_questions(target, ask_prompts(args.limit, topic_list), args.out, args.batch_size)} prompts")
+    print(f"{args.out}: {write_questions(target, asks, args.out, args.batch_size, known)} prompts")
 
 
 if __name__ == "__main__":
