@@ -8,7 +8,9 @@ Chat is where the package corpora teach a drafter least: chatterbot's lines are 
 the held-out chat set is made of them. So the target is asked, greedily, to write what a
 person might ask or tell a chatbot about a topic (topics: chatterbot's categories, the
 words of gensim's analogy list and of its SimLex-999 pairs), and the question in each reply
-becomes a user prompt.
+becomes a user prompt. With ``--like-chat`` the target is shown one of chatterbot's training
+lines at a time instead and asked for another in its style (held-out lines are never shown,
+and a written line equal to any of chatterbot's is dropped).
 Its responses are then regenerated like every other prompt's (``python -m runtime.train
 --data FILE``, or ``runtime.training.export --base OLD --data FILE`` to add them to a set).
 """
@@ -79,13 +81,14 @@ def chat_lines() -> tuple[list[str], set[str]]:
     """chatterbot's single-line prompts outside the held-out split, and the canonical form
     (``canonical``) of every line it has: a written prompt equal to one of them is dropped,
     so the held-out ones never enter training and the training ones are not added twice."""
-    prompts = [p for p in chat_prompts() if len(p.messages) == 1]
-    known = {canonical(content) for p in chat_prompts() for _, content in p.messages}
-    lines = [p.messages[0][1] for p in prompts if not is_heldout(p, HELDOUT_FRACTION)]
+    prompts = chat_prompts()
+    known = {canonical(content) for p in prompts for _, content in p.messages}
+    lines = [p.messages[0][1] for p in prompts if len(p.messages) == 1 and not is_heldout(p, HELDOUT_FRACTION)]
     return [line for line in lines if len(canonical(line)) >= 2], known  # not the corpus's stray '"' or ','
 
 
 def canonical(text: str) -> str:
+    """``text`` casefolded, without punctuation or repeated spaces: "Are you sad?" is "are you sad"."""
     return " ".join(re.sub(r"[^\w\s]", "", text.casefold()).split())
 
 
