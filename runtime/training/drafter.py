@@ -55,11 +55,7 @@ def choose_mask_token(target: DecoderArgs, tokenizer: Tokenizer) -> int:
 def drafter_config(target: DecoderArgs, shape: DrafterShape, mask_token_id: int) -> dict[str, Any]:
     """z-lab's config.json for a drafter of ``shape`` on ``target`` (hidden size = the target's)."""
     taps = list(shape.taps) if shape.taps else default_target_layer_ids(target.num_hidden_layers, shape.layers)
-    if len(set(taps)) != len(taps) or not all(0 <= t < target.num_hidden_layers for t in taps):
-        raise DataError(
-            f"tap layers {taps} must be distinct layers of the target's 0..{target.num_hidden_layers - 1} "
-            "(z-lab's default repeats layers on very shallow targets): pass --taps"
-        )
+    check_taps(taps, target.num_hidden_layers, "(z-lab's default repeats layers on very shallow targets): pass --taps")
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -82,6 +78,12 @@ def drafter_config(target: DecoderArgs, shape: DrafterShape, mask_token_id: int)
         "num_target_layers": target.num_hidden_layers,
         "dflash_config": {"target_layer_ids": taps, "mask_token_id": mask_token_id, "block_size": shape.block_size},
     }
+
+
+def check_taps(taps: Sequence[int], target_layers: int, hint: str) -> None:
+    """Refuse tapped layers that repeat or that the target does not have (``hint`` says what to do)."""
+    if len(set(taps)) != len(taps) or not all(0 <= t < target_layers for t in taps):
+        raise DataError(f"tap layers {list(taps)} must be distinct layers of the target's 0..{target_layers - 1} {hint}")
 
 
 def new_drafter(config: dict[str, Any], seed: int, dtype: mx.Dtype = mx.float32) -> DFlashDrafter:
@@ -111,12 +113,11 @@ def grown_config(config: dict[str, Any], layers: int | None = None, taps: Sequen
         if config.get("layer_types"):
             grown["layer_types"] = list(config["layer_types"]) + [config["layer_types"][-1]] * (layers - have)
     if taps is not None:
-        have_taps = drafter_args(config).target_layer_ids
-        if len(set(taps)) != len(taps) or not set(have_taps) < set(taps):
-            raise DataError(f"--taps {list(taps)} with --init: list the drafter's taps {have_taps} and at least "
-                            "one more layer, each once")
-        if not all(0 <= t < int(config["num_target_layers"]) for t in taps):
-            raise DataError(f"--taps {list(taps)}: the target has layers 0..{int(config['num_target_layers']) - 1}")
+        args = drafter_args(config)
+        if not set(args.target_layer_ids) < set(taps):
+            raise DataError(f"--taps {list(taps)} with --init: list the drafter's taps {args.target_layer_ids} and at "
+                            "least one more layer")
+        check_taps(taps, args.num_target_layers, "(--taps with --init)")
         grown["dflash_config"] = dict(config.get("dflash_config") or {}, target_layer_ids=list(taps))
     return grown
 
@@ -140,9 +141,9 @@ def widened_fc(weight: mx.array, taps: Sequence[int], wider: Sequence[int]) -> m
     """``fc``'s weight ``[H, len(wider)*H]`` for the taps ``wider``: a tap of ``taps`` keeps its
     columns (the input is ``[token, tap*H]`` in tap order), an added one gets zeros."""
     width = weight.shape[1] // len(taps)
+    columns = {tap: weight[:, i * width:(i + 1) * width] for i, tap in enumerate(taps)}
     zeros = mx.zeros((weight.shape[0], width), weight.dtype)
-    return mx.concatenate([weight[:, taps.index(t) * width:(taps.index(t) + 1) * width] if t in taps else zeros
-                           for t in wider], axis=1)
+    return mx.concatenate([columns.get(tap, zeros) for tap in wider], axis=1)
 
 
 def cast_parameters(model: nn.Module, dtype: mx.Dtype) -> dict[str, Any]:

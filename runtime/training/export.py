@@ -39,8 +39,6 @@ from .corpora import (
     record_prompt,
 )
 
-
-
 DEF_NAME = re.compile(r"^\s*(?:async\s+)?def\s+(\w+)\s*\(")
 
 
