@@ -20,8 +20,11 @@ from runtime.sampling import Sampler
 from runtime.training.batches import block_labels, make_micro_batch, sample_anchors, training_mask
 from runtime.training.corpora import DataError, Prompt, even_shares, file_prompts, is_heldout, load_prompts
 from runtime.training.data import Example, GenerationLimits, ResponseCache, build_examples, greedy_batch
-from runtime.training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter
+from runtime.training.average import average_drafters
+from runtime.training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter, write_z_lab_folder
 from runtime.training.trainer import Trainer, TrainSettings, block_logits
+
+from . import fixtures
 
 BLOCK = 4
 MASK_ID = 5  # the tiny vocabulary has no spare row: reuse a token, as for SmolLM2
@@ -482,3 +485,35 @@ def test_training_can_start_from_an_existing_drafter(trained_dir: Path, tiny_lla
     assert before.keys() == after.keys()
     for name in before:
         assert mx.array_equal(before[name], after[name]), name
+
+
+def test_averaged_drafters_weigh_each_tensor_and_widen_the_narrower_taps(tmp_path: Path, tiny_llama: LoadedModel) -> None:
+    """A drafter tapping layers 1, 2 averaged with one tapping 0, 1, 2: the narrower one's fc
+    columns land at its taps' places (zeros at the added tap) before the weighted mean."""
+    target = fixtures.tiny_config("llama")
+    narrow_config, wide_config = (fixtures.drafter_config(target, block_size=BLOCK, taps=t) for t in ([1, 2], [0, 1, 2]))
+    narrow_w, wide_w = fixtures.drafter_weights(narrow_config, seed=1), fixtures.drafter_weights(wide_config, seed=2)
+    narrow = fixtures.drafter_folder(tmp_path / "narrow", narrow_config, narrow_w)
+    wide = fixtures.drafter_folder(tmp_path / "wide", wide_config, wide_w)
+    config, averaged = average_drafters(narrow, wide, weight=0.25)
+    assert config["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+    bf16 = lambda a: np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))  # noqa: E731  (as stored)
+    h = target["hidden_size"]
+    widened = np.concatenate([np.zeros((h, h), np.float32), bf16(narrow_w["fc.weight"])], axis=1)
+    np.testing.assert_allclose(np.array(averaged["fc.weight"].astype(mx.float32)),
+                               0.25 * widened + 0.75 * bf16(wide_w["fc.weight"]), atol=1e-2)
+    name = "layers.0.mlp.down_proj.weight"
+    np.testing.assert_allclose(np.array(averaged[name].astype(mx.float32)),
+                               0.25 * bf16(narrow_w[name]) + 0.75 * bf16(wide_w[name]), atol=1e-2)
+    soup = write_z_lab_folder(tmp_path / "soup", averaged, config, "bfloat16")
+    assert load_drafter(soup, tiny_llama).tap_layers == (0, 1, 2)  # the runtime loads and binds it
+
+
+def test_drafters_whose_taps_neither_hold_the_others_are_not_averaged(tmp_path: Path) -> None:
+    target = fixtures.tiny_config("llama")
+    folders = []
+    for name, taps in (("a", [0, 1]), ("b", [1, 2])):
+        config = fixtures.drafter_config(target, block_size=BLOCK, taps=taps)
+        folders.append(fixtures.drafter_folder(tmp_path / name, config, fixtures.drafter_weights(config)))
+    with pytest.raises(CheckpointError, match="neither holds the other's taps"):
+        average_drafters(*folders)
