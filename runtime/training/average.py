@@ -2,7 +2,8 @@
 
 Two drafters trained from one starting point on different data each draft some sets
 better (issue #5: one more stage on chat raised chat's tau and lowered HumanEval's a
-little); the average of their weights (a "model soup") often keeps most of both gains.
+little); the average of their weights (a "model soup") can keep much of both (there: the
+earlier drafter's HumanEval tau and half of the chat stage's gain).
 The drafters must have the same layers; if one taps more target layers than the other
 (``train --taps``), the other's ``fc`` is first widened with zero columns for the added
 taps, which drafts exactly as it did (runtime.training.drafter.widened_fc). Packed
