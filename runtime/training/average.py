@@ -43,8 +43,11 @@ def average_drafters(a: Path, b: Path, weight: float = 0.5) -> tuple[dict[str, A
     """``weight * A + (1 - weight) * B``, with the config of whichever taps more layers."""
     (config_a, tensors_a), (config_b, tensors_b) = read_drafter(a), read_drafter(b)
     taps_a, taps_b = taps_of(config_a), taps_of(config_b)
-    wider = taps_a if set(taps_b) <= set(taps_a) else taps_b
-    if not (set(taps_a) <= set(wider) and set(taps_b) <= set(wider)):
+    if set(taps_b) <= set(taps_a):
+        config, wider = config_a, taps_a
+    elif set(taps_a) <= set(taps_b):
+        config, wider = config_b, taps_b
+    else:
         raise CheckpointError(f"{a.name} taps {taps_a} and {b.name} taps {taps_b}: neither holds the other's taps")
     if set(tensors_a) != set(tensors_b):
         raise CheckpointError(f"{a.name} and {b.name} differ in tensors: {sorted(set(tensors_a) ^ set(tensors_b))}")
@@ -56,7 +59,7 @@ def average_drafters(a: Path, b: Path, weight: float = 0.5) -> tuple[dict[str, A
         if ta.shape != tb.shape:
             raise CheckpointError(f"{name}: {a.name} has {ta.shape}, {b.name} has {tb.shape}")
         averaged[name] = (weight * ta + (1 - weight) * tb).astype(mx.bfloat16)
-    return (config_a if wider == taps_a else config_b), averaged
+    return config, averaged
 
 
 def main(argv: list[str] | None = None) -> None:
