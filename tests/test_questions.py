@@ -9,7 +9,7 @@ import pytest
 from runtime.loading import LoadedModel
 from runtime.training.corpora import DataError, file_prompts
 from runtime.training.questions import (ASKS, LIKE_ASKS, ask_prompts, canonical, chat_lines, extract_question, like_prompts, main,
-                                        topics, write_questions)
+                                        seed_lines, topics, write_questions)
 
 
 @pytest.mark.parametrize("reply, question", [
@@ -81,3 +81,18 @@ def test_like_chat_asks_quote_training_lines_and_held_out_lines_are_known() -> N
     assert len(rows) == 37 and len(single) > 30 and not set(single) & set(lines) and len(lines) > 1000
     assert all(canonical(line) in known for line in every + lines)  # so none comes out as a new prompt
     assert like_prompts(lines[:2]) == [ask.format(line) for line in lines[:2] for ask in LIKE_ASKS]
+
+
+def test_seed_lines_are_the_one_message_prompts_of_earlier_output_once(tmp_path: Path) -> None:
+    first, second = tmp_path / "like-chat-1.jsonl", tmp_path / "like-chat-2.jsonl"
+    first.write_text('{"messages": [{"role": "user", "content": "Do you like rain?"}]}\n'
+                     '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},'
+                     ' {"role": "user", "content": "How are you?"}]}\n')
+    second.write_text('{"messages": [{"role": "user", "content": "Do you like rain?"}]}\n'
+                      '{"messages": [{"role": "user", "content": "Tell me a joke."}]}\n')
+    assert seed_lines([first, second]) == ["Do you like rain?", "Tell me a joke."]
+
+
+def test_seeds_need_like_chat(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "out.jsonl"), "--seeds", str(tmp_path / "seeds.jsonl")])

@@ -2,7 +2,8 @@
 
     python -m runtime.training.questions --out runs/prompts/self-chat.jsonl [--model M] [--batch-size 64] [--skip N] [--limit N]
         [--topics FILE]  (one topic per line; written by --write-topics FILE where the corpus packages are installed)
-        [--like-chat]  (instead: messages in the style of chatterbot's training lines)
+        [--like-chat [--seeds FILE...]]  (instead: messages in the style of chatterbot's training lines,
+                                          or of the one-message prompts in FILE, such as an earlier --like-chat's)
 
 Chat is where the package corpora teach a drafter least: chatterbot's lines are few, and
 the held-out chat set is made of them. So the target is asked, greedily, to write what a
@@ -10,7 +11,9 @@ person might ask or tell a chatbot about a topic (topics: chatterbot's categorie
 words of gensim's analogy list and of its SimLex-999 pairs), and the question in each reply
 becomes a user prompt. With ``--like-chat`` the target is shown one of chatterbot's training
 lines at a time instead and asked for another in its style (held-out lines are never shown,
-and a written line equal to any of chatterbot's is dropped).
+and a written line equal to any of chatterbot's is dropped). ``--seeds`` shows the target
+the lines of an earlier run's output instead: each generation of lines in chatterbot's style
+seeds a larger next one, since the corpus's own 1,834 training lines are few.
 Its responses are then regenerated like every other prompt's (``python -m runtime.train
 --data FILE``, or ``runtime.training.export --base OLD --data FILE`` to add them to a set).
 """
@@ -27,7 +30,8 @@ from tqdm import tqdm
 from ..cli import add_model_arguments, run_cli
 from ..defaults import default_model_path
 from ..loading import LoadedModel, load_target
-from .corpora import HELDOUT_FRACTION, analogy_lines, chat_prompts, chatterbot_files, is_heldout, simlex_words, user_prompt
+from .corpora import (HELDOUT_FRACTION, analogy_lines, chat_prompts, chatterbot_files, file_prompts, is_heldout,
+                      simlex_words, user_prompt)
 from .data import greedy_batch, length_sorted_batches, render_prompt
 
 # what the target is asked to write, about each topic
@@ -85,6 +89,12 @@ def chat_lines() -> tuple[list[str], set[str]]:
     known = {canonical(content) for p in prompts for _, content in p.messages}
     lines = [p.messages[0][1] for p in prompts if len(p.messages) == 1 and not is_heldout(p, HELDOUT_FRACTION)]
     return [line for line in lines if len(canonical(line)) >= 2], known  # not the corpus's stray '"' or ','
+
+
+def seed_lines(paths: list[Path]) -> list[str]:
+    """The user line of each one-message prompt in ``paths`` (as ``--like-chat`` writes them), once."""
+    found = dict.fromkeys(p.messages[0][1] for path in paths for p in file_prompts(path) if len(p.messages) == 1)
+    return list(found)
 
 
 def canonical(text: str) -> str:
@@ -148,7 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write-topics", type=Path, help="write the corpus packages' topics to this file and stop")
     parser.add_argument("--like-chat", action="store_true", help="instead of topics: messages in the style of "
                         "chatterbot's training lines (needs the corpus package; held-out lines never come out)")
+    parser.add_argument("--seeds", type=Path, nargs="+", help="with --like-chat: show the target these files' "
+                        "one-message prompts (an earlier --like-chat's output) instead of chatterbot's lines")
     args = parser.parse_args(argv)
+    if args.seeds and not args.like_chat:
+        parser.error("--seeds needs --like-chat")
     if args.write_topics:
         found = topics()
         args.write_topics.write_text("".join(f"{topic}\n" for topic in found), encoding="utf-8")
@@ -157,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     known: frozenset[str] = frozenset()
     if args.like_chat:
         lines, canonical_lines = chat_lines()
+        if args.seeds:
+            lines = seed_lines(args.seeds)
+            canonical_lines |= {canonical(line) for line in lines}  # a seed written again adds nothing
         asks, known = like_prompts(lines), frozenset(canonical_lines)
     else:
         topic_list = [t for t in args.topics.read_text(encoding="utf-8").splitlines() if t.strip()] if args.topics else None
