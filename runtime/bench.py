@@ -37,6 +37,7 @@ import msgspec
 
 from protocol import GenerationParams, TokenEvent
 
+from .blas import blas_in_use
 from .cli import add_model_arguments, print_json, run_cli
 from .defaults import default_model_path
 from .drafters import resolve_drafter
@@ -173,7 +174,7 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
     runs = timed_runs(target, drafter, ids, params, repeat, engine, log, concurrency)
     plain = runs.pop("plain")
     report: dict[str, Any] = {
-        "device": str(mx.default_device()), "dtype": target.compute_dtype, "quantized": target.quantized,
+        "device": str(mx.default_device()), "blas": blas_in_use(), "dtype": target.compute_dtype, "quantized": target.quantized,
         "max_tokens": params.max_tokens, "prompts": len(prompts), "repeat": repeat, "concurrency": concurrency,
         "plain": {**aggregate(pooled(plain)), "runs_tokens_per_s": [aggregate(run)["tokens_per_s"] for run in plain]},
     }

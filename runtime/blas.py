@@ -18,6 +18,7 @@ import sys
 
 SYSTEM_CANDIDATES = ("libopenblas.so.0", "libopenblas.so")
 loaded_blas: str | None = None
+load_errors: list[str] = []  # why each candidate failed: the wheel's library needs libgfortran.so.5 (Debian libgfortran5)
 
 
 def _candidates() -> list[str]:
@@ -42,8 +43,18 @@ def preload_openblas() -> str | None:
     for path in _candidates():
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
+        except OSError as exc:
+            load_errors.append(str(exc))
             continue
         loaded_blas = path
         return path
     return None
+
+
+def blas_in_use() -> str:
+    """What float32 CPU matmuls run on, for reports: the OpenBLAS loaded, or the reference BLAS and why."""
+    if loaded_blas:
+        return loaded_blas
+    if not sys.platform.startswith("linux"):
+        return "MLX's own"
+    return "reference" + (f" (OpenBLAS did not load: {load_errors[0]})" if load_errors else "")
