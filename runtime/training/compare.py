@@ -5,12 +5,13 @@ Which checkpoint of a training run to bundle is decided by its tau on the held-o
 for each drafter. This loads the target once, decodes each set plainly once, then runs
 every drafter's reference loop on it: a table of tau per drafter and set, and how many
 outputs equal plain greedy's (float32, on the GPU machine too, gives the CPU's figures
-but for rare near-ties). ``--json`` prints the same as JSON.
+but for rare near-ties). Progress goes to stderr; ``--json`` prints the table as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -47,10 +48,10 @@ def compare(target: LoadedModel, drafts: list[str], sets: list[Path], params: Ge
         run_plain(target, prompts[0], warm)  # kernel builds are not a set's time
         started = time.perf_counter()
         want = [run_plain(target, ids, params).token_ids for ids in prompts]
-        print(f"{path.stem}: plain decoding of {len(prompts)} prompts in {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"{path.stem}: plain decoding of {len(prompts)} prompts in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         for spec, drafter in drafters.items():
             table[spec][path.stem] = row = drafter_on_set(target, drafter, prompts, want, params)
-            print(f"  {spec}: tau {row['tau']:.3f}, {row['equal']}/{row['prompts']} equal", flush=True)
+            print(f"  {spec}: tau {row['tau']:.3f}, {row['equal']}/{row['prompts']} equal", file=sys.stderr)
     return {"dtype": target.compute_dtype, "max_tokens": params.max_tokens, "block_size": params.block_size, "drafters": table}
 
 
