@@ -257,3 +257,19 @@ def test_export_drops_held_out_prompts_from_its_base(tmp_path: Path) -> None:
     counts = export(["pkg:anyio"], 10, out, base)
     assert out.read_text().splitlines()[0] == json.dumps(lines[1])
     assert counts["dropped from the base: held out"] == 1
+
+
+def test_chat_training_prompts_share_no_line_with_a_heldout_prompt() -> None:
+    """chatterbot repeats lines across conversations ("Are you sad" and "Are you sad?"); the split goes by whole
+    prompt, so without this a held-out prompt's line (or its context) would be trained on."""
+    pytest.importorskip("chatterbot_corpus")
+    from runtime.training.corpora import canonical, chat_prompts, chat_training_prompts
+
+    every, kept = chat_prompts(), chat_training_prompts()
+    held = [p for p in every if is_heldout(p, HELDOUT)]
+    held_lines = {canonical(c) for p in held for _, c in p.messages}
+    train_lines = {canonical(c) for p in kept if not is_heldout(p, HELDOUT) for _, c in p.messages}
+    assert not held_lines & train_lines
+    assert set(held) <= set(kept)  # the held-out prompts stay for the split to set apart
+    dropped = [p for p in every if p not in kept]
+    assert 0 < len(dropped) < len(every) // 50 and ("user", "Are you sad") in [m for p in dropped for m in p.messages]

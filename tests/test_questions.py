@@ -72,7 +72,7 @@ def test_like_chat_asks_quote_training_lines_and_held_out_lines_are_known() -> N
     from runtime.evalsets import chat
 
     try:
-        lines, known = chat_lines()
+        lines, known, heldout = chat_lines()
     except DataError as exc:
         pytest.skip(f"corpus packages not installed: {exc}")
     rows = chat(40)
@@ -80,6 +80,7 @@ def test_like_chat_asks_quote_training_lines_and_held_out_lines_are_known() -> N
     every = [m["content"] for row in rows for m in row["messages"]]
     assert len(rows) == 37 and len(single) > 30 and not set(single) & set(lines) and len(lines) > 1000
     assert all(canonical(line) in known for line in every + lines)  # so none comes out as a new prompt
+    assert all(canonical(line) in heldout for line in every) and not heldout & {canonical(line) for line in lines}
     assert like_prompts(lines[:2]) == [ask.format(line) for line in lines[:2] for ask in LIKE_ASKS]
 
 
@@ -91,6 +92,7 @@ def test_seed_lines_are_the_one_message_prompts_of_earlier_output_once(tmp_path:
     second.write_text('{"messages": [{"role": "user", "content": "Do you like rain?"}]}\n'
                       '{"messages": [{"role": "user", "content": "Tell me a joke."}]}\n')
     assert seed_lines([first, second]) == ["Do you like rain?", "Tell me a joke."]
+    assert seed_lines([first, second], refused={canonical("do you like RAIN")}) == ["Tell me a joke."]  # held-out lines
 
 
 def test_seeds_need_like_chat(tmp_path: Path) -> None:

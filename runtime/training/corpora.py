@@ -26,6 +26,7 @@ import gzip
 import hashlib
 import importlib.metadata
 import json
+import re
 import sysconfig
 import textwrap
 import warnings
@@ -193,6 +194,21 @@ def chat_prompts() -> list[Prompt]:
     for turns in conversations:
         prompts.update((user_prompt("chat", turn), None) for turn in turns[1:])
     return list(prompts)
+
+
+def canonical(text: str) -> str:
+    """``text`` casefolded, without punctuation or repeated spaces: "Are you sad?" is "are you sad"."""
+    return " ".join(re.sub(r"[^\w\s]", "", text.casefold()).split())
+
+
+def chat_training_prompts() -> list[Prompt]:
+    """``chat_prompts`` less the training-split ones that share a line (in ``canonical`` form) with a
+    held-out prompt: chatterbot repeats lines across conversations ("Are you sad" opens one, "Are you
+    sad?" another) and the split goes by whole prompt, so such a line would be trained on and evaluated.
+    The held-out prompts stay (the split sets them apart later)."""
+    prompts = chat_prompts()
+    heldout = {canonical(content) for p in prompts if is_heldout(p, HELDOUT_FRACTION) for _, content in p.messages}
+    return [p for p in prompts if is_heldout(p, HELDOUT_FRACTION) or not heldout & {canonical(c) for _, c in p.messages}]
 
 
 def chatterbot_files() -> list[Path]:
@@ -407,7 +423,7 @@ def file_prompts(path: Path) -> list[Prompt]:
 
 
 NAMED_SOURCES: dict[str, Callable[[], list[Prompt]]] = {
-    "code": code_prompts, "code-def": code_def_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
+    "code": code_prompts, "code-def": code_def_prompts, "chat": chat_training_prompts, "stdlib": stdlib_prompts,
     "ask-python": python_questions, "ask-world": world_questions,
 }
 SOURCE_NAMES = ("gsm", *NAMED_SOURCES, f"{PACKAGE_PREFIX}DIST")  # as --data's help lists them

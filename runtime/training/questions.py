@@ -30,7 +30,8 @@ from tqdm import tqdm
 from ..cli import add_model_arguments, run_cli
 from ..defaults import default_model_path
 from ..loading import LoadedModel, load_target
-from .corpora import (HELDOUT_FRACTION, analogy_lines, chat_prompts, chatterbot_files, file_prompts, is_heldout,
+from .corpora import (HELDOUT_FRACTION, analogy_lines, canonical, chat_prompts, chat_training_prompts, chatterbot_files,
+                      file_prompts, is_heldout,
                       simlex_words, user_prompt)
 from .data import greedy_batch, length_sorted_batches, render_prompt
 
@@ -81,25 +82,23 @@ def topics() -> list[str]:
     return list(found)
 
 
-def chat_lines() -> tuple[list[str], set[str]]:
-    """chatterbot's single-line prompts outside the held-out split, and the canonical form
-    (``canonical``) of every line it has: a written prompt equal to one of them is dropped,
-    so the held-out ones never enter training and the training ones are not added twice."""
+def chat_lines() -> tuple[list[str], set[str], set[str]]:
+    """chatterbot's single-line training prompts (none sharing a line with a held-out one), the
+    canonical form (``canonical``) of every line it has, and of every line of its held-out prompts:
+    a written prompt equal to a known line is dropped, so the held-out ones never enter training and
+    the training ones are not added twice; a seed line equal to a held-out one is never shown."""
     prompts = chat_prompts()
     known = {canonical(content) for p in prompts for _, content in p.messages}
-    lines = [p.messages[0][1] for p in prompts if len(p.messages) == 1 and not is_heldout(p, HELDOUT_FRACTION)]
-    return [line for line in lines if len(canonical(line)) >= 2], known  # not the corpus's stray '"' or ','
+    heldout_lines = {canonical(content) for p in prompts if is_heldout(p, HELDOUT_FRACTION) for _, content in p.messages}
+    lines = [p.messages[0][1] for p in chat_training_prompts() if len(p.messages) == 1 and not is_heldout(p, HELDOUT_FRACTION)]
+    return [line for line in lines if len(canonical(line)) >= 2], known, heldout_lines  # not the corpus's stray '"' or ','
 
 
-def seed_lines(paths: list[Path]) -> list[str]:
-    """The user line of each one-message prompt in ``paths`` (as ``--like-chat`` writes them), once."""
+def seed_lines(paths: list[Path], refused: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The user line of each one-message prompt in ``paths`` (as ``--like-chat`` writes them), once,
+    but for lines whose ``canonical`` form is in ``refused``."""
     found = dict.fromkeys(p.messages[0][1] for path in paths for p in file_prompts(path) if len(p.messages) == 1)
-    return list(found)
-
-
-def canonical(text: str) -> str:
-    """``text`` casefolded, without punctuation or repeated spaces: "Are you sad?" is "are you sad"."""
-    return " ".join(re.sub(r"[^\w\s]", "", text.casefold()).split())
+    return [line for line in found if canonical(line) not in refused]
 
 
 def extract_question(reply: str) -> str | None:
@@ -170,9 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     known: frozenset[str] = frozenset()
     if args.like_chat:
-        lines, canonical_lines = chat_lines()
-        if args.seeds:
-            lines = seed_lines(args.seeds)
+        lines, canonical_lines, heldout_lines = chat_lines()
+        if args.seeds:  # a seeds file from elsewhere may hold held-out lines: those are not shown
+            lines = seed_lines(args.seeds, heldout_lines)
             canonical_lines |= {canonical(line) for line in lines}  # a seed written again adds nothing
         asks, known = like_prompts(lines), frozenset(canonical_lines)
     else:
