@@ -207,8 +207,13 @@ def chat_training_prompts() -> list[Prompt]:
     sad?" another) and the split goes by whole prompt, so such a line would be trained on and evaluated.
     The held-out prompts stay (the split sets them apart later)."""
     prompts = chat_prompts()
-    heldout = {canonical(content) for p in prompts if is_heldout(p, HELDOUT_FRACTION) for _, content in p.messages}
+    heldout = heldout_lines(prompts)
     return [p for p in prompts if is_heldout(p, HELDOUT_FRACTION) or not heldout & {canonical(c) for _, c in p.messages}]
+
+
+def heldout_lines(prompts: list[Prompt]) -> set[str]:
+    """The ``canonical`` form of every message of the held-out ones among ``prompts``."""
+    return {canonical(content) for p in prompts if is_heldout(p, HELDOUT_FRACTION) for _, content in p.messages}
 
 
 def chatterbot_files() -> list[Path]:

@@ -31,8 +31,7 @@ from ..cli import add_model_arguments, run_cli
 from ..defaults import default_model_path
 from ..loading import LoadedModel, load_target
 from .corpora import (HELDOUT_FRACTION, analogy_lines, canonical, chat_prompts, chat_training_prompts, chatterbot_files,
-                      file_prompts, is_heldout,
-                      simlex_words, user_prompt)
+                      file_prompts, heldout_lines, is_heldout, simlex_words, user_prompt)
 from .data import greedy_batch, length_sorted_batches, render_prompt
 
 # what the target is asked to write, about each topic
@@ -89,9 +88,8 @@ def chat_lines() -> tuple[list[str], set[str], set[str]]:
     the training ones are not added twice; a seed line equal to a held-out one is never shown."""
     prompts = chat_prompts()
     known = {canonical(content) for p in prompts for _, content in p.messages}
-    heldout_lines = {canonical(content) for p in prompts if is_heldout(p, HELDOUT_FRACTION) for _, content in p.messages}
     lines = [p.messages[0][1] for p in chat_training_prompts() if len(p.messages) == 1 and not is_heldout(p, HELDOUT_FRACTION)]
-    return [line for line in lines if len(canonical(line)) >= 2], known, heldout_lines  # not the corpus's stray '"' or ','
+    return [line for line in lines if len(canonical(line)) >= 2], known, heldout_lines(prompts)  # not the corpus's stray '"' or ','
 
 
 def seed_lines(paths: list[Path], refused: set[str] | frozenset[str] = frozenset()) -> list[str]:
@@ -169,9 +167,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     known: frozenset[str] = frozenset()
     if args.like_chat:
-        lines, canonical_lines, heldout_lines = chat_lines()
+        lines, canonical_lines, heldout = chat_lines()
         if args.seeds:  # a seeds file from elsewhere may hold held-out lines: those are not shown
-            lines = seed_lines(args.seeds, heldout_lines)
+            lines = seed_lines(args.seeds, heldout)
             canonical_lines |= {canonical(line) for line in lines}  # a seed written again adds nothing
         asks, known = like_prompts(lines), frozenset(canonical_lines)
     else:
