@@ -26,7 +26,7 @@ from ..defaults import default_model_path
 from ..drafters import resolve_drafter
 from ..loading import LoadedModel, load_target
 from ..models.dflash import DFlashDrafter
-from ..speculative import SpeculativeStats
+from ..speculative import SpeculativeStats, block_size_for
 
 
 def drafter_on_set(target: LoadedModel, drafter: DFlashDrafter, prompts: list[list[int]], want: list[list[int]],
@@ -34,7 +34,7 @@ def drafter_on_set(target: LoadedModel, drafter: DFlashDrafter, prompts: list[li
     """tau over all the set's rounds pooled (as bench reports it) and the outputs equal to ``want``."""
     results = [run_dflash(target, drafter, ids, params) for ids in prompts]
     merged = SpeculativeStats([r for _, s in results for r in s.rounds])
-    summary = merged.summary(params.block_size or drafter.block_size)
+    summary = merged.summary(block_size_for(drafter, params))
     equal = sum(r.token_ids == w for (r, _), w in zip(results, want))
     return {"tau": round(float(summary["tau"]), 3), "equal": equal, "prompts": len(prompts)}
 

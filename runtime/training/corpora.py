@@ -207,7 +207,11 @@ def chat_training_prompts() -> list[Prompt]:
     sad?" another) and the split goes by whole prompt, so such a line would be trained on and evaluated.
     The held-out prompts stay (the split sets them apart later)."""
     prompts = chat_prompts()
-    heldout = heldout_lines(prompts)
+    return sharing_no_heldout_line(prompts, heldout_lines(prompts))
+
+
+def sharing_no_heldout_line(prompts: list[Prompt], heldout: set[str]) -> list[Prompt]:
+    """``prompts`` less the training-split ones with a message whose ``canonical`` form is in ``heldout``."""
     return [p for p in prompts if is_heldout(p, HELDOUT_FRACTION) or not heldout & {canonical(c) for _, c in p.messages}]
 
 

@@ -30,8 +30,8 @@ from tqdm import tqdm
 from ..cli import add_model_arguments, run_cli
 from ..defaults import default_model_path
 from ..loading import LoadedModel, load_target
-from .corpora import (HELDOUT_FRACTION, analogy_lines, canonical, chat_prompts, chat_training_prompts, chatterbot_files,
-                      file_prompts, heldout_lines, is_heldout, simlex_words, user_prompt)
+from .corpora import (HELDOUT_FRACTION, analogy_lines, canonical, chat_prompts, chatterbot_files, file_prompts, heldout_lines,
+                      is_heldout, sharing_no_heldout_line, simlex_words, user_prompt)
 from .data import greedy_batch, length_sorted_batches, render_prompt
 
 # what the target is asked to write, about each topic
@@ -88,8 +88,10 @@ def chat_lines() -> tuple[list[str], set[str], set[str]]:
     the training ones are not added twice; a seed line equal to a held-out one is never shown."""
     prompts = chat_prompts()
     known = {canonical(content) for p in prompts for _, content in p.messages}
-    lines = [p.messages[0][1] for p in chat_training_prompts() if len(p.messages) == 1 and not is_heldout(p, HELDOUT_FRACTION)]
-    return [line for line in lines if len(canonical(line)) >= 2], known, heldout_lines(prompts)  # not the corpus's stray '"' or ','
+    heldout = heldout_lines(prompts)
+    training = [p for p in sharing_no_heldout_line(prompts, heldout) if not is_heldout(p, HELDOUT_FRACTION)]
+    lines = [p.messages[0][1] for p in training if len(p.messages) == 1]
+    return [line for line in lines if len(canonical(line)) >= 2], known, heldout  # not the corpus's stray '"' or ','
 
 
 def seed_lines(paths: list[Path], refused: set[str] | frozenset[str] = frozenset()) -> list[str]:
