@@ -92,7 +92,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
     def will_draft(self, request_id: str, round: int) -> bool:
         """Whether ``round`` will still be drafted for the request (it is not past max_tokens)."""
         request = self.requests.get(request_id)
-        return request is not None and request.next_round <= round and self._block_for(request, round) >= 1
+        return request is not None and request.next_round <= round and self._needed(request, round)
 
     async def handle(self, message: ActorMessage) -> None:
         if isinstance(message, Admit):
@@ -117,11 +117,16 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
                 layer.settle(ack.drafter_ctx)
             request.outputs.pop(ack.round, None)
 
-    def _block_for(self, request: DrafterRequest, round: int) -> int:
-        """Shrink the block near max_tokens: each unacknowledged round commits at least one."""
+    @staticmethod
+    def _needed(request: DrafterRequest, round: int) -> bool:
+        """Whether ``round`` can still commit a token: each unacknowledged round before it commits one.
+
+        A needed round drafts its whole block even near max_tokens (the committer trims what
+        lies past it): a block shrunk to what remains would draft differently in each mode,
+        since only the sequential one knows how many the rounds in flight commit.
+        """
         in_flight = round - 1 - request.acked
-        remaining = request.max_tokens - request.generated - in_flight
-        return min(request.block_size, remaining)
+        return request.max_tokens - request.generated - in_flight >= 1
 
     def _ready(self, request: DrafterRequest) -> bool:
         return (request.next_round == request.verdict_queued + 1
@@ -130,7 +135,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
     async def flush(self) -> None:
         ready, waiting = [], False
         for request_id, request in self.requests.items():
-            if self._block_for(request, request.next_round) < 1:
+            if not self._needed(request, request.next_round):
                 continue  # the rounds in flight already reach max_tokens
             if self._ready(request):
                 ready.append(request_id)
@@ -144,11 +149,11 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         assert self.verifier is not None and self.verifier_inbox is not None
         requests = [self.requests[rid] for rid in request_ids]
         rounds = [r.next_round for r in requests]
-        blocks = [self._block_for(r, n) for r, n in zip(requests, rounds)]
+        blocks = [r.block_size for r in requests]
         previous = [self.verifier.outputs(rid, n - 1) for rid, n in zip(request_ids, rounds)]
         # newcomers' context is written before the step, outside any stack (they never are in one)
         with restored_on_failure([r.cache for r, p in zip(requests, previous) if p.block_size == 0]):
-            drafts, ctx_before, ctx_after = self._forward(list(request_ids), requests, previous, blocks)
+            drafts, ctx_before, ctx_after = self._forward(list(request_ids), requests, previous)
         readout = HostReadout([drafts, ctx_before, ctx_after])
         for row, (request, round, block) in enumerate(zip(requests, rounds, blocks)):
             request.outputs[round] = DraftOutputs(drafts[row], block, readout, row)
@@ -159,12 +164,12 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
             request_id=rid, round=round, block_size=block, speculative=r.acked < round - 1, draft_queued_at=now,
             batch_size=len(requests)) for rid, r, round, block in zip(request_ids, requests, rounds, blocks)])
 
-    def _forward(self, ids: list[str], requests: Sequence[DrafterRequest], previous: Sequence[RoundOutputs],
-                 blocks: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
+    def _forward(self, ids: list[str], requests: Sequence[DrafterRequest],
+                 previous: Sequence[RoundOutputs]) -> tuple[mx.array, mx.array, mx.array]:
         """Drafts ``[R, L-1]`` and the context lengths before and after, for stacked requests.
 
-        Every row drafts at its request's full block width (a block shrunk near max_tokens
-        is masked, not cut), so shapes stay the same; blank rows pad the batch when asked.
+        Every row drafts at the widest block of the batch (a request's smaller block is
+        masked, not cut, so it drafts as alone); blank rows pad the batch when asked.
         """
         n = len(requests)
         rows = padded_batch(n) if self.pad_batches else n
@@ -179,7 +184,7 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         anchors = mx.stack([p.bonus for p in previous] + [zero] * (rows - n))
         mask = mx.full((rows, width - 1), self.drafter.args.mask_token_id, dtype=mx.int32)
         tokens = mx.concatenate([anchors[:, None], mask], axis=1)
-        lens = list(blocks) + [1] * (rows - n)
+        lens = [r.block_size for r in requests] + [1] * (rows - n)
         block_lens = mx.array(lens) if min(lens) < width else None
         ctx_rows = width if not all(fresh) else 0
         ctx, keep = previous[0].taps, previous[0].keep

@@ -166,7 +166,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         n = len(rounds)
         rows = padded_batch(n) if self.pad_batches else n
         queued = time.perf_counter()
-        # drafts come at the drafter's full width, so a block shrunk near max_tokens keeps the shape
+        # drafts come at the batch's widest block: a request's smaller block (its params) keeps the shape
         drafted = [self.drafter.outputs(m.request_id, m.round).drafts for m in rounds]
         width = max(d.shape[0] for d in drafted) + 1
         blank = mx.zeros((0,), dtype=mx.int32)

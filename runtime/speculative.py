@@ -97,9 +97,10 @@ class SpeculativeDecoder:
         assert out.taps is not None
         return verdict(drafts, out.logits[0], self.params, self.sampler), out.taps
 
-    def round(self, state: RequestState, index: int, remaining: int) -> RoundOutcome:
-        """One sequential round; ``remaining`` caps the block so nothing past max_tokens is computed."""
-        block = max(1, min(self.block, remaining))
+    def round(self, state: RequestState, index: int) -> RoundOutcome:
+        """One sequential round at the whole block, even near max_tokens (the stream trims past it),
+        as the engine drafts: every mode then drafts the same rounds."""
+        block = self.block
         kv_before, ctx_before, committed_before = state.target_kv, state.drafter_ctx, state.committed
         t0 = time.perf_counter()
         drafts = self.draft(state, block)
@@ -159,7 +160,7 @@ def generate_speculative(
     yield emission
     index = 0
     while emission.finish_reason is None:
-        outcome = decoder.round(state, index, stream.remaining)
+        outcome = decoder.round(state, index)
         if stats is not None:
             stats.rounds.append(outcome)
         if on_round is not None:

@@ -131,7 +131,7 @@ def dflash_samples(target, drafter, prompt: list[int], params: GenerationParams)
         state, first = decoder.prefill(prompt)
         tokens, index = [first], 0
         while len(tokens) < GENERATED:
-            tokens += decoder.round(state, index, GENERATED - len(tokens)).facts.committed
+            tokens += decoder.round(state, index).facts.committed
             index += 1
         out[int(np.ravel_multi_index(tokens[:GENERATED], (VOCAB,) * GENERATED))] += 1
     return out

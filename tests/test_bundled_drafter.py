@@ -52,6 +52,44 @@ def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smoll
     assert accepted / rounds > MIN_TAU
 
 
+@pytest.mark.parametrize("mode", ["sequential", "pipelined", "pipelined2"])
+def test_every_engine_mode_plays_the_reference_loops_rounds(smollm2: LoadedModel, mode: str, tmp_path: Path) -> None:
+    """The same drafts, verdicts and positions every round, in every mode, up to the last round.
+
+    max_tokens 45 ends mid-block, where only the sequential mode knows how many tokens the
+    rounds in flight commit: a mode that shrank its last blocks to what remains would draft
+    them differently (and accept a different number). The trained drafter accepts many per
+    round, so a mode that attended positions past the valid context would draft differently too.
+    """
+    import anyio
+
+    from protocol import RoundRecord, records
+    from runtime.engine import Engine
+    from runtime.invariants import RECORDED_FACTS, recorded_facts
+
+    path = default_drafter_path()
+    assert path is not None
+    drafter = load_drafter(path, smollm2)
+    prompts = [ids for _, ids in read_prompts(PROMPTS, smollm2)]
+    params = GenerationParams(max_tokens=45)
+    want = [[recorded_facts(r.facts) for r in run_dflash(smollm2, drafter, ids, params)[1].rounds] for ids in prompts]
+    assert sum(r["accepted"] for rounds in want for r in rounds) > sum(map(len, want)), "too few accepted to test"
+
+    async def main() -> None:
+        async with Engine(smollm2, drafter, mode=mode, log=tmp_path / "rounds.jsonl") as engine:
+            for ids in prompts:
+                async for _ in engine.generate(ids, params):
+                    pass
+
+    anyio.run(main)
+    logged = [records.from_json(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    by_request: dict[str, list[dict[str, object]]] = {}
+    for record in logged:
+        if isinstance(record, RoundRecord):
+            by_request.setdefault(record.request_id, []).append({name: getattr(record, name) for name in RECORDED_FACTS})
+    assert list(by_request.values()) == want
+
+
 @pytest.mark.parametrize("pad", [False, True])
 def test_batched_requests_on_the_real_model_equal_plain_greedy(smollm2: LoadedModel, pad: bool) -> None:
     """The engine batches these concurrent requests into shared forwards; each output stays the target's own."""

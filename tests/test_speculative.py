@@ -61,7 +61,7 @@ def run_decoder(decoder: SpeculativeDecoder, target: LoadedModel, prompt: list[i
     state, first = decoder.prefill(prompt)
     emission, accepted, index = stream.push([first]), [], 0
     while emission.finish_reason is None:
-        outcome = decoder.round(state, index, stream.remaining)
+        outcome = decoder.round(state, index)
         accepted.append(outcome.facts.accepted)
         emission = stream.push(outcome.facts.committed)
         index += 1
@@ -127,7 +127,7 @@ def test_stats_report_rounds_tau_and_per_position_acceptance(tiny_llama: LoadedM
 def real_round(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter):  # type: ignore[no-untyped-def]
     decoder = SpeculativeDecoder(tiny_llama.model, tiny_drafter, GenerationParams(max_tokens=20, block_size=6))
     state, _ = decoder.prefill(PROMPTS[2])
-    return decoder, state, decoder.round(state, 0, 20).facts
+    return decoder, state, decoder.round(state, 0).facts
 
 
 def broken(facts, **changes):  # type: ignore[no-untyped-def]
@@ -161,7 +161,7 @@ def test_a_cache_not_trimmed_is_caught_as_a_lag_violation_next_round(real_round)
     for c in state.target_cache[1:]:
         c.offset += 1
     with pytest.raises(LagViolation):
-        decoder.round(state, 1, 20)
+        decoder.round(state, 1)
 
 
 def test_a_rolled_back_drafter_cache_is_caught(real_round) -> None:  # type: ignore[no-untyped-def]
@@ -169,7 +169,7 @@ def test_a_rolled_back_drafter_cache_is_caught(real_round) -> None:  # type: ign
     for c in state.drafter_cache:
         c.trim(2)
     with pytest.raises(RollbackViolation):
-        decoder.round(state, 1, 20)
+        decoder.round(state, 1)
 
 
 def test_invariant_checks_survive_python_dash_o() -> None:
