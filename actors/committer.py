@@ -20,7 +20,7 @@ from protocol import (ActorMessage, Admit, Failed, FinishRecord, Prefilled, Roun
                       TokenEvent, Usage, Verified)
 from runtime.invariants import InvariantError, RoundAuditor, RoundFacts, recorded_facts
 from runtime.sampling import is_greedy
-from runtime.stopping import Emission, TextStream
+from runtime.stopping import Emission, TextStream, delivered_tokens
 from runtime.tokenizer import Tokenizer
 
 from .mailbox import Actor
@@ -43,6 +43,7 @@ class CommitterRequest:
     first_token_at: float | None = None
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)
+    delivered: list[int] = field(default_factory=list)  # per round, the tokens up to max_tokens (tau's)
     block_sizes: list[int] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)  # requests in each round's forwards
     idle_s: list[float] = field(default_factory=list)
@@ -176,6 +177,7 @@ class Committer(Actor):
         request.last_ready_at = ready
         request.rounds += 1
         request.accepted.append(facts.accepted)
+        request.delivered.append(delivered_tokens(len(facts.committed), request.stream.remaining))
         request.block_sizes.append(facts.block_size)
         request.batch_sizes.append(message.batch_size)
         emission = request.stream.push(facts.committed)
@@ -239,6 +241,6 @@ class Committer(Actor):
     def _stats(request: CommitterRequest) -> dict[str, float | int | list[float]]:
         n = request.rounds
         block = max(request.block_sizes, default=1)
-        return {"rounds": n, "tau": sum(a + 1 for a in request.accepted) / n if n else 0.0,
+        return {"rounds": n, "tau": sum(request.delivered) / n if n else 0.0,
                 "mean_batch_size": sum(request.batch_sizes) / n if n else 0.0,
                 "acceptance_per_position": [sum(a >= k for a in request.accepted) / n if n else 0.0 for k in range(1, block)]}

@@ -26,7 +26,7 @@ from .models import DecoderModel
 from .models.dflash import DFlashDrafter
 from .plain import check_context
 from .sampling import Sampler, check_params, is_greedy
-from .stopping import Emission, TextStream
+from .stopping import Emission, TextStream, delivered_tokens
 from .tokenizer import Tokenizer
 
 
@@ -61,6 +61,7 @@ class RequestState:
 class RoundOutcome:
     facts: RoundFacts
     timings: dict[str, float] = field(default_factory=dict)
+    delivered: int = 0  # committed tokens the stream took: a last round's past max_tokens are not
 
 
 class SpeculativeDecoder:
@@ -140,7 +141,7 @@ class SpeculativeStats:
         per_position = [sum(a >= k for a in accepted) / n if n else 0.0 for k in range(1, block)]
         return {
             "rounds": n,
-            "tau": (sum(a + 1 for a in accepted) / n) if n else 0.0,
+            "tau": (sum(r.delivered for r in self.rounds) / n) if n else 0.0,
             "acceptance_per_position": [round(x, 4) for x in per_position],
         }
 
@@ -161,6 +162,7 @@ def generate_speculative(
     index = 0
     while emission.finish_reason is None:
         outcome = decoder.round(state, index)
+        outcome.delivered = delivered_tokens(len(outcome.facts.committed), stream.remaining)
         if stats is not None:
             stats.rounds.append(outcome)
         if on_round is not None:

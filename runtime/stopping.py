@@ -13,6 +13,12 @@ from typing import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+def delivered_tokens(committed: int, remaining: int) -> int:
+    """A speculative round's tokens that count towards tau: those up to max_tokens (a last round
+    drafts its whole block, so it may commit more than remain; tau counts what the caller got)."""
+    return min(committed, remaining)
+
+
 @dataclass
 class Emission:
     """What one group of tokens produced: the tokens kept, the new text, and the end if any."""

@@ -42,14 +42,16 @@ def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smoll
     if path is None:
         pytest.fail("no bundled drafter")
     drafter = load_drafter(path, smollm2)
-    accepted, rounds = 0, 0
+    delivered, rounds = 0, 0
     for _, ids in read_prompts(PROMPTS, smollm2):
         params = GenerationParams(max_tokens=64)
         result, stats = run_dflash(smollm2, drafter, ids, params)
         assert result.token_ids == run_plain(smollm2, ids, params).token_ids
-        accepted += sum(r.facts.accepted + 1 for r in stats.rounds)
+        if result.finish_reason == "length":  # tau counts what was streamed (an EOS mid-round ends it sooner)
+            assert sum(r.delivered for r in stats.rounds) == len(result.token_ids) - 1
+        delivered += sum(r.delivered for r in stats.rounds)
         rounds += len(stats.rounds)
-    assert accepted / rounds > MIN_TAU
+    assert delivered / rounds > MIN_TAU
 
 
 @pytest.mark.parametrize("mode", ["sequential", "pipelined", "pipelined2"])
@@ -66,28 +68,38 @@ def test_every_engine_mode_plays_the_reference_loops_rounds(smollm2: LoadedModel
     from protocol import RoundRecord, records
     from runtime.engine import Engine
     from runtime.invariants import RECORDED_FACTS, recorded_facts
+    from runtime.replay.reading import RoundWindow, read_log
+    from runtime.replay.summary import summarize
 
     path = default_drafter_path()
     assert path is not None
     drafter = load_drafter(path, smollm2)
     prompts = [ids for _, ids in read_prompts(PROMPTS, smollm2)]
     params = GenerationParams(max_tokens=45)
-    want = [[recorded_facts(r.facts) for r in run_dflash(smollm2, drafter, ids, params)[1].rounds] for ids in prompts]
+    reference = [run_dflash(smollm2, drafter, ids, params)[1] for ids in prompts]
+    want = [[recorded_facts(r.facts) for r in stats.rounds] for stats in reference]
     assert sum(r["accepted"] for rounds in want for r in rounds) > sum(map(len, want)), "too few accepted to test"
 
-    async def main() -> None:
+    async def main() -> list[float]:
+        taus = []
         async with Engine(smollm2, drafter, mode=mode, log=tmp_path / "rounds.jsonl") as engine:
             for ids in prompts:
-                async for _ in engine.generate(ids, params):
+                async for event in engine.generate(ids, params):
                     pass
+                taus.append(float(event.stats["tau"]))
+        return taus
 
-    anyio.run(main)
+    taus = anyio.run(main)
     logged = [records.from_json(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     by_request: dict[str, list[dict[str, object]]] = {}
     for record in logged:
         if isinstance(record, RoundRecord):
             by_request.setdefault(record.request_id, []).append({name: getattr(record, name) for name in RECORDED_FACTS})
     assert list(by_request.values()) == want
+    # tau counts the tokens each round delivered, in the reference loop, the engine and the replay alike
+    assert taus == pytest.approx([float(stats.summary(16)["tau"]) for stats in reference])
+    replayed = summarize(list(read_log(tmp_path / "rounds.jsonl").requests.values()), RoundWindow())
+    assert replayed.tau_mean == pytest.approx(sum(t * len(w) for t, w in zip(taus, want)) / sum(map(len, want)))
 
 
 @pytest.mark.parametrize("pad", [False, True])

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from protocol import RoundRecord
+from runtime.stopping import delivered_tokens
 
 from .reading import RequestLog, RoundWindow
 
@@ -38,7 +39,7 @@ class Summary:
     tokens: int  # streamed
     finish_reasons: dict[str, int]
     tau_histogram: dict[int, int]  # tau = accepted + 1 -> rounds
-    tau_mean: float
+    tau_mean: float  # tokens a round delivered (up to max_tokens), as the engine reports tau
     acceptance_per_position: list[float]  # k = 1, 2...: rounds accepting >= k drafts / rounds that drafted >= k
     stage_ms: dict[str, dict[str, float]]  # stage label -> mean, p50, p90, max
     gpu_idle_ms: dict[str, float]  # total, mean, max over the gaps between consecutive rounds, and their count
@@ -52,6 +53,17 @@ def idle_after(log: RequestLog) -> dict[int, float]:
     return {a.round: max(0.0, b.draft_queued - a.verify_ready) for a, b in zip(log.rounds, log.rounds[1:])}
 
 
+def delivered(log: RequestLog) -> dict[int, int]:
+    """Round -> its committed tokens up to max_tokens, as the committer counts them for tau
+    (a last round drafts its whole block and may commit past max_tokens; the first token is the prefill's)."""
+    remaining = log.request.params.max_tokens - 1 if log.request is not None else None
+    counts: dict[int, int] = {}
+    for r in log.rounds:
+        counts[r.round] = len(r.committed) if remaining is None else delivered_tokens(len(r.committed), remaining)
+        remaining = None if remaining is None else remaining - counts[r.round]
+    return counts
+
+
 def _stats_ms(seconds: list[float]) -> dict[str, float]:
     if not seconds:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
@@ -62,6 +74,7 @@ def _stats_ms(seconds: list[float]) -> dict[str, float]:
 
 def summarize(logs: list[RequestLog], window: RoundWindow) -> Summary:
     rounds = [r for log in logs for r in window.of(log)]
+    tokens = [delivered(log)[r.round] for log in logs for r in window.of(log)]
     gaps = [gap for log in logs for r, gap in idle_after(log).items() if r in window]
     finishes = [log.finish for log in logs if log.finish is not None]
     longest = max((r.block_size - 1 for r in rounds), default=0)
@@ -72,7 +85,7 @@ def summarize(logs: list[RequestLog], window: RoundWindow) -> Summary:
         requests=len(logs), rounds=len(rounds), tokens=sum(len(f.token_ids) for f in finishes),
         finish_reasons=dict(Counter(f.finish_reason for f in finishes)),
         tau_histogram=dict(sorted(Counter(r.accepted + 1 for r in rounds).items())),
-        tau_mean=sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else 0.0,
+        tau_mean=sum(tokens) / len(rounds) if rounds else 0.0,
         acceptance_per_position=[a / d for a, d in zip(reached, drafted)],
         stage_ms={s.label: _stats_ms([s.seconds(r) for r in rounds]) for s in STAGES},
         gpu_idle_ms={**_stats_ms(gaps), "total": sum(gaps) * 1e3, "gaps": len(gaps)},
