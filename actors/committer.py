@@ -157,8 +157,10 @@ class Committer(Actor):
         """
         assert self.verifier is not None and self.drafter is not None
         rid, last = message.request_id, message.round + self.drafter.lookahead
+        # draft-ahead verifies round N+1 only after this commit: only its draft can be queued first
+        queued = self.drafter.has_round if self.verifier.verify_after_commit else self.verifier.has_round
         for _ in range(MAX_YIELDS_FOR_NEXT_ROUND):
-            if self.drafter.lookahead == 0 or self.verifier.has_round(rid, last) or not self.drafter.will_draft(rid, last):
+            if self.drafter.lookahead == 0 or queued(rid, last) or not self.drafter.will_draft(rid, last):
                 return
             await anyio.sleep(0)
 

@@ -89,6 +89,11 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
     def cache_bytes(self) -> int:
         return super().cache_bytes + self._stack.nbytes
 
+    def has_round(self, request_id: str, round: int) -> bool:
+        """Whether ``round``'s drafts are queued (and not yet acknowledged)."""
+        request = self.requests.get(request_id)
+        return request is not None and round in request.outputs
+
     def will_draft(self, request_id: str, round: int) -> bool:
         """Whether ``round`` will still be drafted for the request (it is not past max_tokens)."""
         request = self.requests.get(request_id)

@@ -82,14 +82,16 @@ class VerifierRequest:
     cache: list[DeviceKVCache]
     prompt_len: int
     outputs: dict[int, RoundOutputs] = field(default_factory=dict)
+    acked: int = -2  # latest round the committer acknowledged (-1: the prefill's first token)
 
 
 class Verifier(DeviceStateOwner[VerifierRequest]):
     name = "verifier"
 
     def __init__(self, target: DecoderModel, tap_layers: tuple[int, ...], inbox: ObjectReceiveStream[ActorMessage],
-                 pad_batches: bool | None = None) -> None:
+                 pad_batches: bool | None = None, verify_after_commit: bool = False) -> None:
         super().__init__(inbox)
+        self.verify_after_commit = verify_after_commit  # round N+1 waits for round N's acknowledgement
         self.target, self.tap_layers = target, tap_layers
         self.pad_batches = default_pad_batches() if pad_batches is None else pad_batches
         self.committer: ObjectSendStream[ActorMessage] | None = None
@@ -126,10 +128,13 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         admitted, self._admitted = self._admitted, []
         for admit in admitted:
             await self._isolated(admit.request_id, self._prefill, admit)
-        drafted = {rid: m for rid, m in self._drafted.items() if rid in self.requests}
-        self._drafted = {}
+        drafted = {rid: m for rid, m in self._drafted.items() if rid in self.requests and self._may_verify(m)}
+        self._drafted = {rid: m for rid, m in self._drafted.items() if rid not in drafted}
         if drafted:
             await self.run_batch(list(drafted), lambda ids: self._verify([drafted[rid] for rid in ids]))
+
+    def _may_verify(self, drafted: Drafted) -> bool:
+        return not self.verify_after_commit or self.requests[drafted.request_id].acked >= drafted.round - 1
 
     async def _prefill(self, message: Admit) -> None:
         assert self.committer is not None and self.drafter_inbox is not None
@@ -212,6 +217,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         request = self.requests.get(ack.request_id)
         if request is None:
             return
+        request.acked = ack.round
         if ack.round >= 0:
             for layer in request.cache:
                 layer.settle(ack.target_kv)

@@ -25,12 +25,16 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 row = lambda k: r[k]["tokens_per_s"] if k in r else "-"
 print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", row("reference"),
-      "| seq", row("sequential"), "| pipe", row("dflash"), "| pipe2", row("pipelined2"), "| tau", r.get("dflash", {}).get("tau", "-"),
+      "| seq", row("sequential"), "| pipe", row("dflash"), "| pipe2", row("pipelined2"), "| draft-ahead", row("draft-ahead"),
+      "| tau", r.get("dflash", {}).get("tau", "-"),
       "| idle/round ms seq", r.get("sequential", {}).get("gpu_idle_ms_per_round", "-"),
-      "pipe", r.get("dflash", {}).get("gpu_idle_ms_per_round", "-"), "| parts", r.get("reference", {}).get("round_parts_ms", "-"),
+      "pipe", r.get("dflash", {}).get("gpu_idle_ms_per_round", "-"),
+      "draft-ahead", r.get("draft-ahead", {}).get("gpu_idle_ms_per_round", "-"), "| parts", r.get("reference", {}).get("round_parts_ms", "-"),
       "| exact", r.get("exact", "-"), "| pipe/seq", r.get("pipelined_over_sequential", "-"),
-      "pipe2/seq", r.get("pipelined2_over_sequential", "-"), "| runs plain/seq/pipe/pipe2",
-      *(r.get(k, {}).get("runs_tokens_per_s", "-") for k in ("plain", "sequential", "dflash", "pipelined2")), flush=True)
+      "pipe2/seq", r.get("pipelined2_over_sequential", "-"), "draft-ahead/seq", r.get("draft_ahead_over_sequential", "-"),
+      "| runs plain/seq/pipe/pipe2/draft-ahead",
+      *(r.get(k, {}).get("runs_tokens_per_s", "-") for k in ("plain", "sequential", "dflash", "pipelined2", "draft-ahead")),
+      flush=True)
 PY
 }
 

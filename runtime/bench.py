@@ -5,8 +5,9 @@
 
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round),
-``pipelined`` (round N+1 queued before round N is read) and ``pipelined2`` (rounds N+1 and
-N+2 queued before round N is read) modes; ``dflash`` in the JSON is the pipelined engine.
+``pipelined`` (round N+1 queued before round N is read), ``pipelined2`` (rounds N+1 and
+N+2 queued before round N is read) and ``draft-ahead`` (round N+1 drafted before round N is
+read, verified after) modes; ``dflash`` in the JSON is the pipelined engine.
 After a warm-up (kernel builds and compiled-step traces are not timed), each prompt runs
 through every mode back to back before the next prompt, and the whole set ``--repeat``
 times: the modes share the machine's slow and fast phases, so their ratios hold even where
@@ -258,9 +259,9 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
                  for mode, done in runs.items()}
         dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
         sequential = modes["sequential"]["tokens_per_s"] or 1.0
-        report.update(sequential=modes["sequential"], dflash=dflash, pipelined2=modes["pipelined2"],
-                      **{f"{mode}_over_sequential": round(modes[mode]["tokens_per_s"] / sequential, 3)
-                         for mode in ("pipelined", "pipelined2")})
+        report.update({mode: row for mode, row in modes.items() if mode != "pipelined"}, dflash=dflash,
+                      **{f"{mode.replace('-', '_')}_over_sequential": round(modes[mode]["tokens_per_s"] / sequential, 3)
+                         for mode in modes if mode != "sequential"})
     return report
 
 
@@ -271,8 +272,7 @@ def print_table(report: dict[str, Any]) -> None:
           f"load {report.get('load_s', 0):.1f} s")
     print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'= plain':>7}")
     plain_speed = report["plain"]["tokens_per_s"] or 1.0
-    names = [("plain", "plain"), ("reference", "reference"), ("sequential", "sequential"), ("pipelined", "dflash"),
-             ("pipelined2", "pipelined2")]
+    names = [("plain", "plain"), ("reference", "reference")] + [(m, "dflash" if m == "pipelined" else m) for m in MODES]
     for name, key in names:
         if key not in report:
             continue

@@ -14,7 +14,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, NamedTuple, Sequence
 
 import anyio
 from anyio.abc import ObjectSendStream, TaskGroup
@@ -31,9 +31,21 @@ from .logs import RunLog
 from .models.dflash import DFlashDrafter
 from .speculative import block_size_for
 
-# rounds drafted ahead of the committer: pipelined reads round N once N+1 is queued, pipelined2
-# once N+2 is (the host then waits on the device less often behind it), sequential at once
-MODES = {"pipelined": 1, "sequential": 0, "pipelined2": 2}
+
+
+class Schedule(NamedTuple):
+    """How far a mode runs ahead of the committer."""
+
+    lookahead: int  # rounds drafted beyond the last committed one
+    verify_after_commit: bool = False  # round N+1 is verified only once round N is committed
+
+
+# pipelined reads round N once N+1 is queued, pipelined2 once N+2 is (the host then waits on
+# the device less often behind it), sequential at once; draft-ahead drafts N+1 before reading
+# N but verifies it after: its cache writes then never land in buffers a queued verify still
+# reads (MLX copies such a buffer whole rather than write it in place)
+MODES = {"pipelined": Schedule(1), "sequential": Schedule(0), "pipelined2": Schedule(2),
+         "draft-ahead": Schedule(1, verify_after_commit=True)}
 
 
 @dataclass
@@ -88,8 +100,10 @@ class Engine:
         verifier_send, verifier_recv = make_inbox()
         committer_send, committer_recv = make_inbox()
         model = self.target.model
-        self.verifier = Verifier(model, self.drafter.tap_layers, verifier_recv, self._pad_batches)
-        self.drafter_actor = Drafter(self.drafter, drafter_recv, MODES[self.mode], self._pad_batches)
+        schedule = MODES[self.mode]
+        self.verifier = Verifier(model, self.drafter.tap_layers, verifier_recv, self._pad_batches,
+                                 schedule.verify_after_commit)
+        self.drafter_actor = Drafter(self.drafter, drafter_recv, schedule.lookahead, self._pad_batches)
         self.committer = Committer(self.target.tokenizer, len(self.drafter.tap_layers), model.args.hidden_size,
                                    committer_recv, log=self.log.write if self.log else None)
         self.verifier.committer, self.verifier.drafter_inbox, self.verifier.drafter = committer_send, drafter_send, self.drafter_actor

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from runtime import bench
+from runtime.engine import MODES
 
 
 @pytest.fixture()
@@ -24,14 +25,14 @@ def test_bench_json_reports_every_mode_and_equal_outputs(tiny_llama_dir: Path, t
                 "--max-tokens", "12", "--block-size", "4", "--dtype", "float32", "--json", "--repeat", "2"])
     report = json.loads(capsys.readouterr().out)
     assert report["prompts"] == 3 and report["block_size"] == 4
-    for key in ("plain", "reference", "sequential", "dflash", "pipelined2"):  # every mode ran twice; both runs pooled are reported
+    for key in ("plain", "reference", "sequential", "dflash", "pipelined2", "draft-ahead"):  # every mode ran twice; both runs pooled are reported
         runs = report[key]["runs_tokens_per_s"]
         assert len(runs) == 2 and min(runs) <= report[key]["tokens_per_s"] <= max(runs)
     for key in ("plain", "reference", "sequential", "dflash"):
         assert report[key]["tokens_per_s"] > 0
     assert report["dflash"]["tau"] >= 1.0 and len(report["dflash"]["acceptance_per_position"]) == 3
     assert report["exact"] is True  # float32: speculative output equals plain greedy in every mode
-    assert report["equal_outputs_per_mode"] == {"reference": 3, "sequential": 3, "pipelined": 3, "pipelined2": 3}
+    assert report["equal_outputs_per_mode"] == {"reference": 3, **{mode: 3 for mode in MODES}}
     assert report["speedup"] == pytest.approx(report["dflash"]["tokens_per_s"] / report["plain"]["tokens_per_s"], rel=1e-2)
 
 
@@ -44,7 +45,7 @@ def test_bench_table_names_each_mode(tiny_llama_dir: Path, tiny_drafter_dir: Pat
     for line in table.splitlines():
         if line.split():
             rows.setdefault(line.split()[0], line.split())  # the table row, not later lines naming the mode
-    for mode in ("reference", "sequential", "pipelined", "pipelined2"):
+    for mode in ("reference", *MODES):
         assert rows[mode][-1] == "3/3", rows[mode]  # outputs equal to plain greedy, per mode
     assert "plain" in rows
     assert "acceptance per block position" in table
@@ -60,10 +61,10 @@ def test_bench_log_holds_every_engine_request_with_its_rounds(tiny_llama_dir: Pa
     report = json.loads(capsys.readouterr().out)
     replay = read_log(log)
     assert not replay.problems
-    assert len(replay.requests) == 3 * 3 * 2  # the timed runs: each prompt once per engine mode and repeat
+    assert len(replay.requests) == 3 * len(MODES) * 2  # the timed runs: each prompt once per engine mode and repeat
     assert all(r.finish is not None and r.finish.finish_reason == "length" for r in replay.requests.values())
     rounds = sum(len(r.rounds) for r in replay.requests.values())
-    assert rounds == report["sequential"]["rounds"] + report["dflash"]["rounds"] + report["pipelined2"]["rounds"]
+    assert rounds == sum(report["dflash" if mode == "pipelined" else mode]["rounds"] for mode in MODES)
 
 
 def test_bench_without_the_engine_reports_tau_and_exactness_of_the_reference_loop(
@@ -90,10 +91,10 @@ def test_bench_concurrency_runs_engine_groups_at_once_with_equal_outputs(
                 "--log", str(log)])
     report = json.loads(capsys.readouterr().out)
     assert report["concurrency"] == 2
-    assert report["equal_outputs_per_mode"] == {"reference": 3, "sequential": 3, "pipelined": 3, "pipelined2": 3}
+    assert report["equal_outputs_per_mode"] == {"reference": 3, **{mode: 3 for mode in MODES}}
     batches = [r.batch_size for q in read_log(log).requests.values() for r in q.rounds]
     assert max(batches) == 2  # a group of two shared forwards; the third prompt ran alone
-    for key in ("sequential", "dflash", "pipelined2"):
+    for key in ("sequential", "dflash", "pipelined2", "draft-ahead"):
         assert report[key]["tokens_per_s"] > 0
 
 
@@ -111,5 +112,5 @@ def test_a_random_drafter_on_a_shallow_target_taps_distinct_layers_and_runs_ever
     bench.main(["--model", str(tiny_llama_dir), "--draft", "random:5", "--prompts", str(prompts),
                 "--max-tokens", "10", "--block-size", "4", "--dtype", "float32", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert report["equal_outputs_per_mode"] == {"reference": 3, "sequential": 3, "pipelined": 3, "pipelined2": 3}
+    assert report["equal_outputs_per_mode"] == {"reference": 3, **{mode: 3 for mode in MODES}}
     assert report["dflash"]["rounds"] > 0

@@ -54,7 +54,7 @@ def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smoll
     assert delivered / rounds > MIN_TAU
 
 
-@pytest.mark.parametrize("mode", ["sequential", "pipelined", "pipelined2"])
+@pytest.mark.parametrize("mode", ["sequential", "pipelined", "pipelined2", "draft-ahead"])
 def test_every_engine_mode_plays_the_reference_loops_rounds(smollm2: LoadedModel, mode: str, tmp_path: Path) -> None:
     """The same drafts, verdicts and positions every round, in every mode, up to the last round.
 

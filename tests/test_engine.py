@@ -47,9 +47,11 @@ def test_pipelined_sequential_and_plain_greedy_outputs_are_identical(tiny_llama:
     assert run(lambda: outputs("sequential")) == want
     assert run(lambda: outputs("pipelined")) == want
     assert run(lambda: outputs("pipelined2")) == want
+    assert run(lambda: outputs("draft-ahead")) == want
 
 
-@pytest.mark.parametrize("backend,mode", [("asyncio", "pipelined"), ("trio", "pipelined"), ("asyncio", "pipelined2")])
+@pytest.mark.parametrize("backend,mode", [("asyncio", "pipelined"), ("trio", "pipelined"), ("asyncio", "pipelined2"),
+                                          ("trio", "draft-ahead")])
 def test_fifty_concurrent_generations_finish_correctly_and_leave_no_state(tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter,
                                                                           backend: str, mode: str) -> None:
     results: dict[int, list[int]] = {}
@@ -212,6 +214,7 @@ def test_seeded_sampling_gives_the_same_output_in_both_modes(tiny_llama: LoadedM
     sequential = run(lambda: outputs("sequential"))
     assert run(lambda: outputs("pipelined")) == sequential
     assert run(lambda: outputs("pipelined2")) == sequential
+    assert run(lambda: outputs("draft-ahead")) == sequential
     assert run(lambda: outputs("sequential")) == sequential  # and reproducible
 
 
@@ -234,7 +237,8 @@ def _run_concurrently(engine: Engine, prompts: list[list[int]], params: list[Gen
     return main
 
 
-@pytest.mark.parametrize("mode,pad", [("pipelined", False), ("sequential", False), ("pipelined", True), ("pipelined2", True)])
+@pytest.mark.parametrize("mode,pad", [("pipelined", False), ("sequential", False), ("pipelined", True), ("pipelined2", True),
+                                      ("draft-ahead", True)])
 def test_concurrent_requests_share_forwards_and_each_gets_its_alone_output(
         tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, mode: str, pad: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from protocol import records
