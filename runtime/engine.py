@@ -32,7 +32,6 @@ from .models.dflash import DFlashDrafter
 from .speculative import block_size_for
 
 
-
 class Schedule(NamedTuple):
     """How far a mode runs ahead of the committer."""
 
