@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
 
@@ -56,11 +57,11 @@ def idle_after(log: RequestLog) -> dict[int, float]:
 def delivered(log: RequestLog) -> dict[int, int]:
     """Round -> its committed tokens up to max_tokens, as the committer counts them for tau
     (a last round drafts its whole block and may commit past max_tokens; the first token is the prefill's)."""
-    remaining = log.request.params.max_tokens - 1 if log.request is not None else None
+    remaining = log.request.params.max_tokens - 1 if log.request is not None else sys.maxsize  # no record: no cap
     counts: dict[int, int] = {}
     for r in log.rounds:
-        counts[r.round] = len(r.committed) if remaining is None else delivered_tokens(len(r.committed), remaining)
-        remaining = None if remaining is None else remaining - counts[r.round]
+        counts[r.round] = delivered_tokens(len(r.committed), remaining)
+        remaining -= counts[r.round]
     return counts
 
 
@@ -74,7 +75,10 @@ def _stats_ms(seconds: list[float]) -> dict[str, float]:
 
 def summarize(logs: list[RequestLog], window: RoundWindow) -> Summary:
     rounds = [r for log in logs for r in window.of(log)]
-    tokens = [delivered(log)[r.round] for log in logs for r in window.of(log)]
+    tokens: list[int] = []  # each round's delivered tokens, counted once per request
+    for log in logs:
+        counts = delivered(log)
+        tokens += [counts[r.round] for r in window.of(log)]
     gaps = [gap for log in logs for r, gap in idle_after(log).items() if r in window]
     finishes = [log.finish for log in logs if log.finish is not None]
     longest = max((r.block_size - 1 for r in rounds), default=0)
