@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import DeviceKVCache, KVCache, cache_arrays, traced_caches
+from .attention import cache_attention, uses_kernel
 from .steps import CompiledSteps, default_compile_steps, traceable
 
 
@@ -167,6 +168,11 @@ class Attention(nn.Module):
         """``attention``: the cache's ``attention_mask`` for this forward (shared by the layers)."""
         b, length, _ = x.shape
         q, k, v = self._projections(x, cache.offset if cache is not None else 0)
+        if isinstance(cache, DeviceKVCache) and uses_kernel(length, self.head_dim, q.dtype, self.scale):
+            start = cache.length
+            cache.write(k, v)
+            out = cache_attention(q, cache.keys, cache.values, start, causal=True, scale=self.scale)
+            return self.o_proj(out.reshape(b, length, -1))
         mask: mx.array | str | None = "causal" if length > 1 else None
         if cache is not None:
             extent, mask = attention or cache.attention_mask(length)

@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from ..cache import DeviceKVCache, KVCache, advance_layers, bucketed, cache_arrays, traced_caches
 from ..errors import CheckpointError, UnsupportedArchitectureError
+from .attention import cache_attention, uses_kernel
 from .base import MLP, DecoderModel, RoPE, TransposedLinear, concatenated
 from .steps import CompiledSteps, default_compile_steps, traceable
 
@@ -239,6 +240,24 @@ class DrafterAttention(nn.Module):
         anchor_pos, extent = context_span(cache)
         return block_mask(anchor_pos, block_len, self.causal, self.window, ctx_extent=extent, block_lens=block_lens)
 
+    def uses_kernel(self, cache: KVCache | DeviceKVCache, block: int, dtype: mx.Dtype) -> bool:
+        """Whether this layer attends with runtime.models.attention's kernel: over a device cache
+        that holds context, without a causal or windowed mask (which the kernel does not draw)."""
+        return (isinstance(cache, DeviceKVCache) and cache.keys is not None and not self.causal
+                and self.window is None and uses_kernel(block, self.head_dim, dtype, self.head_dim**-0.5))
+
+    def attend_cache(self, x: mx.array, shape: Rows, cache: DeviceKVCache, block_lens: mx.array | None) -> mx.array:
+        """``attend_blocks`` as one kernel: the valid context rows of the cache, then the block's
+        own keys (every row of it, or ``block_lens`` rows per stacked request)."""
+        b, length = shape
+        q, k, v = self._projections(x, shape)
+        assert q is not None
+        q, k = self.rope(q, cache.length), self.rope(k, cache.length)
+        seen = block_lens if block_lens is not None else mx.array(length, dtype=mx.int32)
+        out = cache_attention(q, cache.keys, cache.values, cache.length, causal=False, scale=self.head_dim**-0.5,
+                              fresh=(k, v, seen))
+        return self.o_proj(out.reshape(b * length, -1))
+
     def __call__(self, x: mx.array, shape: Rows, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
         anchor_pos, extent = context_span(cache)
         ctx_kv = None
@@ -269,18 +288,19 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def _residual(self, h: mx.array, attend: Callable[[mx.array], mx.array]) -> mx.array:
+    def attend_with(self, h: mx.array, attend: Callable[[mx.array], mx.array]) -> mx.array:
+        """The layer with ``attend`` as its attention (it gets the normed rows)."""
         h = h + attend(self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def __call__(self, h: mx.array, shape: Rows, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
-        return self._residual(h, lambda x: self.self_attn(x, shape, cache, mask))
+        return self.attend_with(h, lambda x: self.self_attn(x, shape, cache, mask))
 
     def forward_blocks(self, h: mx.array, shape: Rows, h_ctx: mx.array, ctx_shape: Rows, anchors: mx.array,
                        mask: mx.array) -> mx.array:
         """Training: many blocks over one whole context (positions from 0), kept apart by ``mask``."""
         attn = self.self_attn
-        return self._residual(h, lambda x: attn.attend_blocks(x, shape, anchors, attn.context_kv(h_ctx, ctx_shape, 0), mask))
+        return self.attend_with(h, lambda x: attn.attend_blocks(x, shape, anchors, attn.context_kv(h_ctx, ctx_shape, 0), mask))
 
     def fuse_projections(self) -> None:
         self.self_attn.fuse_projections()
@@ -364,6 +384,9 @@ class DFlashDrafter(nn.Module):
         masks: dict[tuple[bool, int | None], mx.array | None] = {}
         for layer, layer_cache in zip(self.layers, cache):
             attn = layer.self_attn
+            if attn.uses_kernel(layer_cache, shape[1], h.dtype):
+                h = layer.attend_with(h, lambda x: attn.attend_cache(x, shape, layer_cache, block_lens))  # type: ignore[arg-type]
+                continue
             kind = (attn.causal, attn.window)
             if kind not in masks:
                 masks[kind] = attn.mask(layer_cache, shape[1], block_lens)
