@@ -30,6 +30,8 @@ WARPS = 4  # warps per thread block: each takes every WARPS-th key
 MAX_QUERIES = 64  # more queries (a prefill) go to scaled_dot_product_attention
 
 _HEADER = """
+#define NEGATIVE_INFINITY (-__int_as_float(0x7f800000))
+
 template <typename T, int E, int WARPS>
 __device__ inline void attend_keys(const float* qv, const T* keys, const T* values, long key_stride,
                                    long key_dim_stride, long value_stride, long value_dim_stride, int count,
@@ -72,7 +74,7 @@ float qv[E];
 #pragma unroll
 for (int e = 0; e < E; ++e) qv[e] = static_cast<float>(query[(lane * E + e) * q_strides[3]]) * scale;
 
-float best = -inf, total = 0.f, acc[E];
+float best = NEGATIVE_INFINITY, total = 0.f, acc[E];
 #pragma unroll
 for (int e = 0; e < E; ++e) acc[e] = 0.f;
 const int valid = lengths[ROW_LENGTHS ? b : 0] + (CAUSAL ? i + 1 : 0);
@@ -86,7 +88,7 @@ if (lane == 0) { bests[warp] = best; totals[warp] = total; }
 for (int e = 0; e < E; ++e) sums[warp][lane * E + e] = acc[e];
 __syncthreads();
 if (warp == 0) {
-  float top = -inf;
+  float top = NEGATIVE_INFINITY;
   for (int w = 0; w < WARPS; ++w) top = fmaxf(top, bests[w]);
   float factor[WARPS], denominator = 0.f;
   for (int w = 0; w < WARPS; ++w) {
@@ -145,8 +147,9 @@ def cache_attention(q: mx.array, keys: mx.array, values: mx.array, lengths: mx.a
     inputs = [q, keys, values, int32(lengths)] + ([fresh[0], fresh[1], int32(fresh[2])] if fresh is not None else [])
     # a length array of one element stands for every row
     template = [("T", q.dtype), ("D", head_dim), ("GQA", heads // keys.shape[1]), ("CAUSAL", causal),
-                ("ROW_LENGTHS", lengths.size > 1), ("ROW_FRESH", fresh is not None and fresh[2].size > 1),
-                ("WARPS", WARPS)]
+                ("ROW_LENGTHS", lengths.size > 1), ("WARPS", WARPS)]
+    if fresh is not None:
+        template.append(("ROW_FRESH", fresh[2].size > 1))
     (out,) = _kernel(fresh is not None)(
         inputs=inputs, template=template, grid=(b * heads * queries * 32 * WARPS, 1, 1),
         threadgroup=(32 * WARPS, 1, 1), output_shapes=[(b, queries, heads, head_dim)], output_dtypes=[q.dtype])
