@@ -128,12 +128,17 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         admitted, self._admitted = self._admitted, []
         for admit in admitted:
             await self._isolated(admit.request_id, self._prefill, admit)
-        drafted = {rid: m for rid, m in self._drafted.items() if rid in self.requests and self._may_verify(m)}
-        self._drafted = {rid: m for rid, m in self._drafted.items() if rid not in drafted}
-        if drafted:
-            await self.run_batch(list(drafted), lambda ids: self._verify([drafted[rid] for rid in ids]))
+        drafted = {rid: m for rid, m in self._drafted.items() if rid in self.requests}
+        if not drafted or not all(self._may_verify(m) for m in drafted.values()):
+            return
+        self._drafted = {}
+        await self.run_batch(list(drafted), lambda ids: self._verify([drafted[rid] for rid in ids]))
 
     def _may_verify(self, drafted: Drafted) -> bool:
+        """After commit (draft-ahead): once the round before is acknowledged. Every drafted round
+        waits for all the others (each one's round before is already verified, so its
+        acknowledgement is on its way): the committer acknowledges a step's rounds one by one,
+        and verifying each as its acknowledgement came would split the batch into single rows."""
         return not self.verify_after_commit or self.requests[drafted.request_id].acked >= drafted.round - 1
 
     async def _prefill(self, message: Admit) -> None:

@@ -156,6 +156,9 @@ def engine_summary(groups: list[EngineGroup]) -> dict[str, Any]:
         "ttft_ms": round(1e3 * statistics.mean(e.timings["ttft_s"] for _, e in results), 2),
         "tau": round(accepted / rounds, 3) if rounds else 0.0,
         "rounds": rounds,
+        # requests per verify forward: whether a mode keeps concurrent rounds batched
+        "mean_batch_size": round(sum(float(e.stats["mean_batch_size"]) * int(e.stats["rounds"])  # type: ignore[arg-type]
+                                     for _, e in results) / rounds, 3) if rounds else 0.0,
         "round_ms": round(1e3 * decode / rounds, 3) if rounds else 0.0,
         "gpu_idle_ms_per_round": round(1e3 * idle / rounds, 3) if rounds else 0.0,
         "gpu_idle_fraction": round(idle / decode, 4) if decode else 0.0,

@@ -253,6 +253,7 @@ def test_concurrent_requests_share_forwards_and_each_gets_its_alone_output(
         assert results[i] == plain(tiny_llama, PROMPTS[i], params[i])
     sizes = [r.batch_size for r in map(records.from_json, log.read_text().splitlines()) if type(r).__name__ == "RoundRecord"]
     assert max(sizes) >= 8, f"rounds were not batched: batch sizes {sorted(set(sizes))}"
+    assert sum(sizes) / len(sizes) >= 6, f"rounds fell apart into small batches: mean {sum(sizes) / len(sizes):.2f}"
 
 
 @pytest.mark.parametrize("pad", [False, True])
