@@ -219,14 +219,18 @@ class DrafterAttention(nn.Module):
         itself. Both run this same projection, norm, RoPE and attention.
         """
         b, length = shape
-        n_blocks = 1 if isinstance(anchors, int) else anchors.size // b
-        q, k, v = self._projections(x, shape)
-        assert q is not None
-        q, k = self._rope_blocks(q, anchors, n_blocks), self._rope_blocks(k, anchors, n_blocks)
+        q, k, v = self._block_qkv(x, shape, anchors)
         if ctx_kv is not None:
             k, v = mx.concatenate([ctx_kv[0], k], axis=2), mx.concatenate([ctx_kv[1], v], axis=2)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b * length, -1))
+
+    def _block_qkv(self, x: mx.array, shape: Rows, anchors: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The blocks' queries and keys (normed, RoPE at each block's anchor) and values."""
+        n_blocks = 1 if isinstance(anchors, int) else anchors.size // shape[0]
+        q, k, v = self._projections(x, shape)
+        assert q is not None
+        return self._rope_blocks(q, anchors, n_blocks), self._rope_blocks(k, anchors, n_blocks), v
 
     def add_context(self, h_ctx: mx.array, shape: Rows, cache: KVCache | DeviceKVCache) -> None:
         """New context rows into the cache (a device cache's valid length advances after every layer's write)."""
@@ -246,16 +250,13 @@ class DrafterAttention(nn.Module):
         return (isinstance(cache, DeviceKVCache) and cache.keys is not None and not self.causal
                 and self.window is None and uses_kernel(block, self.head_dim, dtype, self.head_dim**-0.5))
 
-    def attend_cache(self, x: mx.array, shape: Rows, cache: DeviceKVCache, block_lens: mx.array | None) -> mx.array:
+    def attend_cache(self, x: mx.array, shape: Rows, cache: DeviceKVCache, block_lens: mx.array) -> mx.array:
         """``attend_blocks`` as one kernel: the valid context rows of the cache, then the block's
-        own keys (every row of it, or ``block_lens`` rows per stacked request)."""
+        own keys (``block_lens`` of them: one length for all rows, or one per stacked request)."""
         b, length = shape
-        q, k, v = self._projections(x, shape)
-        assert q is not None
-        q, k = self.rope(q, cache.length), self.rope(k, cache.length)
-        seen = block_lens if block_lens is not None else mx.array(length, dtype=mx.int32)
+        q, k, v = self._block_qkv(x, shape, cache.length)
         out = cache_attention(q, cache.keys, cache.values, cache.length, causal=False, scale=self.head_dim**-0.5,
-                              fresh=(k, v, seen))
+                              fresh=(k, v, block_lens))
         return self.o_proj(out.reshape(b * length, -1))
 
     def __call__(self, x: mx.array, shape: Rows, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
@@ -382,10 +383,11 @@ class DFlashDrafter(nn.Module):
             self.write_context(ctx_features, cache, keep)
         # one mask per layer kind, not per layer: they depend on the context length alone
         masks: dict[tuple[bool, int | None], mx.array | None] = {}
+        seen = block_lens if block_lens is not None else mx.array(shape[1], dtype=mx.int32)  # the kernel's block rows
         for layer, layer_cache in zip(self.layers, cache):
             attn = layer.self_attn
             if attn.uses_kernel(layer_cache, shape[1], h.dtype):
-                h = layer.attend_with(h, lambda x: attn.attend_cache(x, shape, layer_cache, block_lens))  # type: ignore[arg-type]
+                h = layer.attend_with(h, lambda x: attn.attend_cache(x, shape, layer_cache, seen))  # type: ignore[arg-type]
                 continue
             kind = (attn.causal, attn.window)
             if kind not in masks:
