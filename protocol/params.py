@@ -6,7 +6,7 @@ import msgspec
 
 
 class GenerationParams(msgspec.Struct, kw_only=True, frozen=True):
-    """Sampling and stopping for one request. ``temperature == 0`` means greedy."""
+    """Sampling and stopping for one request. ``temperature`` below 1e-5 (0 included) means greedy."""
 
     max_tokens: int = 256
     temperature: float = 0.0

@@ -29,6 +29,8 @@ from .drafters import resolve_drafter
 from .loading import LoadedModel, hash_folder, load_target
 from .logs import RunLog
 from .models.dflash import DFlashDrafter
+from .plain import check_context
+from .sampling import check_params
 from .speculative import block_size_for
 
 
@@ -150,10 +152,18 @@ class Engine:
 
     async def generate(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int],
                        params: GenerationParams | None = None) -> AsyncIterator[TokenEvent]:
-        """Stream token events; the last one has ``finish_reason`` (and usage, timings, stats)."""
+        """Stream token events; the last one has ``finish_reason`` (and usage, timings, stats).
+
+        Invalid parameters, a block larger than the drafter's and a prompt that does not fit
+        the context raise (``RequestError``, ``ContextLengthError``) before anything is admitted.
+        """
         params = params or GenerationParams()
+        prompt_ids = self.encode(prompt)
+        check_params(params)
+        block_size_for(self.drafter, params)
+        check_context(self.target.model, len(prompt_ids), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
-        admit = Admit(request_id=request_id, prompt_ids=self.encode(prompt), params=params)
+        admit = Admit(request_id=request_id, prompt_ids=prompt_ids, params=params)
         send, receive = anyio.create_memory_object_stream[TokenEvent](params.max_tokens + 8)
         self.committer.register(request_id, admit, send)
         self._log_request(admit)

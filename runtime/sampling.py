@@ -12,6 +12,10 @@ from protocol import GenerationParams
 
 from .errors import RequestError
 
+# Below this a temperature is greedy, as vLLM treats it: dividing logits by 1e-40 overflows
+# float32 to inf (and inf - inf to NaN), which would sample garbage, EOS included.
+GREEDY_BELOW = 1e-5
+
 
 def check_params(params: GenerationParams) -> None:
     """Reject values no sampler can honour, naming the field."""
@@ -30,7 +34,7 @@ def check_params(params: GenerationParams) -> None:
 
 
 def is_greedy(params: GenerationParams) -> bool:
-    return params.temperature == 0.0
+    return params.temperature < GREEDY_BELOW
 
 
 def probabilities(logits: mx.array, params: GenerationParams) -> mx.array:
@@ -44,7 +48,9 @@ def probabilities(logits: mx.array, params: GenerationParams) -> mx.array:
         order = mx.argsort(-probs, axis=-1)
         sorted_probs = mx.take_along_axis(probs, order, axis=-1)
         before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = before < params.top_p  # the smallest prefix whose mass reaches top_p
+        # the smallest prefix whose mass reaches top_p, and always the likeliest token: a top_p
+        # that underflows float32 (5e-324) keeps that one instead of none (0 / 0 = NaN)
+        keep_sorted = (before < params.top_p) | (mx.arange(probs.shape[-1]) == 0)
         keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
         probs = mx.where(keep, probs, 0.0)
         probs = probs / probs.sum(axis=-1, keepdims=True)

@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .engine import MODES, Engine
 from .server import ServerSettings, create_app
+from .server.app import default_allowed_hosts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,6 +30,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run batched steps at power-of-two sizes, so few kernel shapes are built (auto: on a GPU)")
     p.add_argument("--served-model-name", default=None, help="model id clients pass (default: the target's name)")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds open requests may finish after SIGTERM/SIGINT; then they end with an error "
+                        "(a second signal exits at once)")
+    p.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="seconds a request may wait for a generation slot; then 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DFLASH_API_KEY; none: open)")
+    p.add_argument("--allowed-hosts", nargs="+", default=None,
+                   help="Host header values accepted (default: loopback names when bound to loopback, else any)")
+    p.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
+    p.add_argument("--enable-internal-stats", action="store_true", help="serve /v1/internal/stats")
     return p.parse_args(argv)
 
 
@@ -37,16 +51,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     pad = {"auto": None, "on": True, "off": False}[args.pad_batches]
     engine = Engine.load(args.model, args.draft, mode=args.mode, log=args.log, dtype=args.dtype, pad_batches=pad)
-    app = create_app(engine, ServerSettings(model_name=args.served_model_name, max_concurrent=args.max_concurrent,
-                                            max_queue=args.max_queue, block_size=args.block_size,
-                                            default_max_tokens=args.default_max_tokens))
+    hosts = args.allowed_hosts if args.allowed_hosts is not None else default_allowed_hosts(args.host)
+    settings = ServerSettings(
+        model_name=args.served_model_name, max_concurrent=args.max_concurrent, max_queue=args.max_queue,
+        block_size=args.block_size, default_max_tokens=args.default_max_tokens, drain_timeout_s=args.drain_timeout,
+        queue_timeout_s=args.queue_timeout, max_body_bytes=args.max_body_bytes, api_key=args.api_key or None,
+        allowed_hosts=None if hosts == ["*"] else hosts, enable_docs=args.enable_docs,
+        enable_internal_stats=args.enable_internal_stats)
+    app = create_app(engine, settings)
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
-            app.state.server.admission.draining = True  # keep-alive connections get 503 from now on
+            if self.should_exit:  # a second signal: stop waiting for anything
+                self.force_exit = True
+            app.state.server.begin_shutdown()  # keep-alive connections get 503 from now on
             super().handle_exit(sig, frame)
 
-    DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
+    # uvicorn's own limit is a backstop behind the app's drain, which ends open streams with an error event
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=int(args.drain_timeout) + 5)
+    DrainingServer(config).run()
 
 
 if __name__ == "__main__":

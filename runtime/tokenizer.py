@@ -477,6 +477,15 @@ class Tokenizer:
             return None
         return self._backend.id_to_token(min(self.eos_token_ids))
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text: no token covers more characters of a text than this."""
+        return max(map(len, self._backend.get_vocab()), default=1) or 1
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, without encoding (for refusing long prompts cheaply)."""
+        return -(-len(text) // self.max_token_chars)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in it become their single ids.
 

@@ -621,3 +621,11 @@ def test_decoding_an_id_outside_the_vocabulary_is_an_error(smollm: Tokenizer) ->
         smollm.decode([5, 49152])
     with pytest.raises(TokenizerError, match="-1"):
         smollm.detokenizer().add(-1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=300) | st.sampled_from([" " * 400, "\n" * 300, "a" * 500, "0123456789" * 40]))
+def test_fewest_tokens_never_exceeds_the_real_count(smollm: Tokenizer, text: str) -> None:
+    """The server refuses overlong prompts by this bound without encoding them: it must never refuse one that fits.
+    (Six control characters encode to nothing in SmolLM2's GGUF vocabulary; texts of them are left out.)"""
+    assert smollm.fewest_tokens(text) <= len(smollm.encode(text, add_special_tokens=False))

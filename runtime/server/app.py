@@ -3,12 +3,21 @@
 ``create_app(engine, settings)`` takes an engine that is not yet started: the app's
 lifespan enters it (``async with engine``) in the server's own event loop, warms it up
 with a short greedy generation, and only then reports ``/health`` 200. On shutdown it
-stops admitting (503 + Retry-After), drains the running requests, then stops the engine.
+stops admitting (503 + Retry-After), drains the running requests for ``drain_timeout_s``,
+ends the ones still open with an error (an error event on a stream, 503 otherwise), then
+stops the engine.
+
+What a request costs the event loop before it is admitted is bounded: the body is read up
+to ``max_body_bytes`` (413 beyond), and JSON parsing and tokenization run in worker threads,
+so a large body never stalls ``/health`` or the streams of others.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,10 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from protocol import GenerationParams, TokenEvent
 
@@ -29,12 +39,14 @@ from ..engine import Engine
 from ..errors import ContextLengthError, RequestError, RuntimeErrorBase
 from ..plain import check_context
 from ..sampling import check_params
+from ..speculative import block_size_for
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schemas import ChatCompletionRequest, CompletionRequest, error_body
 
 MAX_STOP_STRINGS = 16
-MAX_BLOCK_SIZE = 64
 MAX_SEED = 2**63 - 1
+SHOWN_NAME_CHARS = 40  # an unknown model's name is echoed this far, never whole
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 WARM_CONTEXT = 4 * GROWTH_STEP  # buffer sizes traced at start-up; longer requests trace theirs when they get there
@@ -50,7 +62,18 @@ class ServerSettings:
     default_max_tokens: int = 256  # when a request names none (capped by the context)
     block_size: int | None = None  # default speculative block; None: the drafter's
     warmup: bool = True
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0  # after a shutdown signal, open requests may finish this long
+    queue_timeout_s: float = 60.0  # a request waits this long for a slot, then gets 503
+    max_body_bytes: int = 4 * 1024 * 1024  # beyond: 413, before the body is parsed
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    allowed_hosts: list[str] | None = None  # Host header values accepted (DNS rebinding); None: any
+    enable_docs: bool = False  # /docs and /openapi.json
+    enable_internal_stats: bool = False  # /v1/internal/stats (engine internals, for tests and debugging)
+
+
+def default_allowed_hosts(bind_host: str) -> list[str] | None:
+    """A loopback server answers only to loopback names: a web page cannot reach it by a rebound DNS name."""
+    return list(LOOPBACK_HOSTS) if bind_host in LOOPBACK_HOSTS else None
 
 
 class APIError(Exception):
@@ -69,30 +92,43 @@ class Admission:
 
     def __init__(self, max_concurrent: int, max_queue: int, metrics: Metrics, retry_after_s: int) -> None:
         self.max_concurrent, self.max_queue, self.metrics = max_concurrent, max_queue, metrics
-        self.retry_after = str(retry_after_s)
+        self.min_retry_after = retry_after_s
+        self.mean_service_s = float(retry_after_s)  # moving mean of a generation's time in its slot
         self.running = self.waiting = 0
         self.draining = False
         self._slots = anyio.Semaphore(max_concurrent)
 
-    async def acquire(self) -> None:
+    def retry_after(self) -> str:
+        """Seconds until a slot is likely free: the queue ahead, served max_concurrent at a time."""
+        ahead = (self.waiting + 1) / self.max_concurrent
+        return str(min(60, max(self.min_retry_after, math.ceil(ahead * self.mean_service_s))))
+
+    def unavailable(self, message: str) -> APIError:
+        return APIError(503, message, type_="server_unavailable", headers={"Retry-After": self.retry_after()})
+
+    async def acquire(self, timeout: float = math.inf) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down; retry on another instance", type_="server_unavailable",
-                           headers={"Retry-After": self.retry_after})
+            raise self.unavailable("the server is shutting down; retry on another instance")
         if self._slots.value == 0 and self.waiting >= self.max_queue:
             raise APIError(429, f"too many requests: {self.running} running and {self.waiting} queued "
                            f"(limits {self.max_concurrent} + {self.max_queue})", type_="rate_limit_error",
-                           code="rate_limit_exceeded", headers={"Retry-After": self.retry_after})
+                           code="rate_limit_exceeded", headers={"Retry-After": self.retry_after()})
         self.waiting += 1
         self.metrics.queued.set(self.waiting)
         try:
-            await self._slots.acquire()
+            with anyio.move_on_after(timeout) as waited:
+                await self._slots.acquire()
         finally:
             self.waiting -= 1
             self.metrics.queued.set(self.waiting)
+        if waited.cancelled_caught:
+            raise self.unavailable(f"no generation slot became free within {timeout:g} s")
         self.running += 1
         self.metrics.running.set(self.running)
 
-    def release(self) -> None:
+    def release(self, service_s: float | None = None) -> None:
+        if service_s is not None:
+            self.mean_service_s += 0.2 * (service_s - self.mean_service_s)
         self.running -= 1
         self.metrics.running.set(self.running)
         self._slots.release()
@@ -124,6 +160,33 @@ def _parse(model: type, body: bytes) -> Any:
         value = err.get("input")
         shown = json.dumps(value)[:80] if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
         raise APIError(400, f"{param}: {err['msg']} (got {shown})", param=param) from None
+
+
+def _json_content_type(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {media_type[:40] or 'none'!r}",
+                       code="unsupported_media_type")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed ``limit`` bytes."""
+    too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _shown(name: str) -> str:
+    return repr(name if len(name) <= SHOWN_NAME_CHARS else name[:SHOWN_NAME_CHARS] + "...")
 
 
 class _SSE(Response):
@@ -161,13 +224,50 @@ class Server:
         self.ready = False
         self.created = int(time.time())
         self.model_name = settings.model_name or engine.target.name
+        self.open: set[anyio.CancelScope] = set()  # each queued or running request's scope, for a forced shutdown
+        self.aborting = False
+        self._shutdown: anyio.Event | None = None
+        self._loop: Any = None
+
+    # ---------------------------------------------------------------- shutdown
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting; after ``drain_timeout_s`` end what is still open. Safe from a signal handler."""
+        self.admission.draining = True
+        if self._loop is not None and self._shutdown is not None:
+            self._loop.call_soon_threadsafe(self._shutdown.set)
+
+    async def end_open_requests_after_drain(self) -> None:
+        self._loop = asyncio.get_running_loop()  # uvicorn serves on asyncio; its signal handler calls begin_shutdown
+        self._shutdown = anyio.Event()
+        await self._shutdown.wait()
+        await anyio.sleep(self.settings.drain_timeout_s)
+        self.aborting = True
+        for scope in list(self.open):
+            scope.cancel()
+
+    def shut_down_error(self) -> APIError:
+        return self.admission.unavailable(f"the server shut down before this request finished (drain timeout "
+                                          f"{self.settings.drain_timeout_s:g} s)")
 
     # ---------------------------------------------------------------- requests
 
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def unknown_model(self, name: str) -> APIError:
+        return APIError(404, f"the model {_shown(name)} does not exist; this server serves {self.model_name!r}",
+                        param="model", code="model_not_found")
+
     def check_common(self, req: Any) -> None:
         if req.model != self.model_name:
-            raise APIError(400, f"unknown model {req.model!r}; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise self.unknown_model(req.model)
         if req.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
         if req.logprobs not in (None, False, 0):
@@ -188,14 +288,13 @@ class Server:
         if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
             raise APIError(400, f"seed must be in [0, 2**63 - 1], got {req.seed}", param="seed")
         block = req.block_size if req.block_size is not None else self.settings.block_size
-        if block is not None and block > MAX_BLOCK_SIZE:
-            raise APIError(400, f"block_size must be at most {MAX_BLOCK_SIZE}, got {block}", param="block_size")
         params = GenerationParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
             block_size=block)
         try:
             check_params(params)
+            block_size_for(self.engine.drafter, params)
         except RequestError as exc:
             field = tokens_field if exc.field == "max_tokens" else exc.field
             raise APIError(400, str(exc).replace("max_tokens", field, 1), param=field) from None
@@ -205,10 +304,21 @@ class Server:
             raise APIError(400, str(exc), param=prompt_field, code="context_length_exceeded") from None
         return params
 
+    def refuse_overlong(self, text: str, field: str) -> None:
+        """A text longer than the context can hold, at the longest token's length, is refused without
+        tokenizing it (a megabyte of text costs a tokenizer seconds of CPU)."""
+        limit = self.engine.target.model.args.max_position_embeddings
+        tokenizer = self.engine.target.tokenizer
+        if tokenizer.fewest_tokens(text) > limit:
+            raise APIError(400, f"the prompt's {len(text)} characters cannot fit the model's context of {limit} "
+                           f"tokens (no token here is longer than {tokenizer.max_token_chars} characters)",
+                           param=field, code="context_length_exceeded")
+
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        self.refuse_overlong("".join(m["content"] for m in messages), "messages")
         try:
             return self.engine.encode(messages)
         except RuntimeErrorBase as exc:
@@ -227,6 +337,7 @@ class Server:
                 raise APIError(400, "one prompt per request (batched prompts are not supported)", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self.refuse_overlong(prompt, "prompt")
             return self.engine.encode(prompt)
         vocab = self.engine.target.model.args.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
@@ -235,6 +346,38 @@ class Server:
         return list(prompt)
 
     # ---------------------------------------------------------------- generation
+
+    async def admit(self, receive: Any) -> bool:
+        """Wait for a slot (``queue_timeout_s`` at most); False if the client left meanwhile, which frees its place."""
+        gone = acquired = False
+        refused: APIError | None = None  # raised after the task group, which would wrap it in a group
+        with anyio.CancelScope() as scope:
+            self.open.add(scope)
+            try:
+                async with anyio.create_task_group() as tg:
+                    async def watch() -> None:
+                        nonlocal gone
+                        while (await receive())["type"] != "http.disconnect":
+                            pass
+                        gone = True
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(watch)
+                    try:
+                        await self.admission.acquire(self.settings.queue_timeout_s)
+                        acquired = True
+                    except APIError as exc:
+                        refused = exc
+                    tg.cancel_scope.cancel()
+            finally:
+                self.open.discard(scope)
+        if refused is not None:
+            raise refused
+        if self.aborting and not acquired:
+            raise self.shut_down_error()
+        if gone and acquired:
+            self.admission.release()
+        return acquired and not gone
 
     async def drive(self, prompt_ids: list[int], params: GenerationParams, receive: Any,
                     on_event: Callable[[TokenEvent], Awaitable[None]]) -> TokenEvent | None:
@@ -248,13 +391,12 @@ class Server:
         async with anyio.create_task_group() as tg:
             async def watch() -> None:
                 nonlocal disconnected
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        disconnected = True
-                        tg.cancel_scope.cancel()
-                        return
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                disconnected = True
+                tg.cancel_scope.cancel()
 
+            self.open.add(tg.cancel_scope)
             tg.start_soon(watch)
             events = self.engine.generate(prompt_ids, params)
             try:
@@ -273,8 +415,12 @@ class Server:
                     if last is not None:
                         break
             finally:
+                self.open.discard(tg.cancel_scope)
                 await events.aclose()  # ends the engine request at once when it has not finished
             tg.cancel_scope.cancel()
+        if self.aborting and last is None and not disconnected:
+            self.metrics.observe_finish("error", {})
+            raise self.shut_down_error()
         if disconnected and last is None:
             self.metrics.observe_finish("cancelled", {})
             return None
@@ -325,7 +471,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with engine:
+        async with engine, anyio.create_task_group() as tg:
+            tg.start_soon(server.end_open_requests_after_drain)
             if settings.warmup:
                 await server.warm_up()
             server.ready = True
@@ -335,9 +482,15 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                 server.admission.draining = True
                 await server.admission.wait_idle(settings.drain_timeout_s)
                 server.ready = False
+                tg.cancel_scope.cancel()
 
-    app = FastAPI(title="dflash-runtime", lifespan=lifespan)
+    docs = settings.enable_docs
+    app = FastAPI(title="dflash-runtime", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.server = server
+    if settings.allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.allowed_hosts)
+    authorized = [Depends(server.authorize)]
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -354,12 +507,15 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     async def handle(request: Request, endpoint: str, chat: bool) -> Response:
         try:
-            body = await request.body()
-            req = _parse(ChatCompletionRequest if chat else CompletionRequest, body)
+            _json_content_type(request)
+            body = await _read_body(request, settings.max_body_bytes)
+            req = await anyio.to_thread.run_sync(_parse, ChatCompletionRequest if chat else CompletionRequest, body)
             server.check_common(req)
-            prompt_ids = server.chat_prompt(req) if chat else server.completion_prompt(req)
+            prompt_ids = await anyio.to_thread.run_sync(server.chat_prompt if chat else server.completion_prompt, req)
             params = server.params(req, prompt_ids, "messages" if chat else "prompt")
-            await server.admission.acquire()
+            if not await server.admit(request.receive):
+                server.metrics.requests.labels(endpoint, "499").inc()
+                return Response(status_code=499)
         except APIError as exc:
             server.metrics.requests.labels(endpoint, str(exc.status)).inc()
             return exc.response()
@@ -378,10 +534,14 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         async def on_event(event: TokenEvent) -> None:
             parts.append(event.text)
 
+        start = time.perf_counter()
         try:
             last = await server.drive(prompt_ids, params, request.receive, on_event)
+        except APIError as exc:  # ended by a shutdown
+            server.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            return exc.response()
         finally:
-            server.admission.release()
+            server.admission.release(time.perf_counter() - start)
         if last is None:
             server.metrics.requests.labels(endpoint, "499").inc()
             return Response(status_code=499)
@@ -427,6 +587,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             if event.finish_reason is not None:
                 await send(chunk(None if chat else "", event.finish_reason))
 
+        start = time.perf_counter()
         try:
             if chat:
                 try:
@@ -436,8 +597,16 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                     server.metrics.observe_finish("cancelled", {})
                     return False
             last = await server.drive(prompt_ids, params, receive, on_event)
+        except APIError as exc:  # ended by a shutdown: the stream says so, then ends as streams do
+            server.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            try:
+                await send(error_body(exc.message, exc.type))
+                await send("[DONE]")
+            except OSError:
+                return False
+            return True
         finally:
-            server.admission.release()
+            server.admission.release(time.perf_counter() - start)
         if last is None:
             server.metrics.requests.labels(endpoint, "499").inc()
             return False
@@ -450,25 +619,25 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             return False
         return True
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat", chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
         return await handle(request, "completions", chat=False)
 
     def model_card() -> dict[str, Any]:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "dflash-runtime"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=authorized)
     async def model(model_id: str) -> Response:
         if model_id != server.model_name:
-            return APIError(404, f"unknown model {model_id!r}", param="model", code="model_not_found").response()
+            return server.unknown_model(model_id).response()
         return JSONResponse(model_card())
 
     @app.get("/health")
@@ -490,9 +659,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         engine_stats()
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/internal/stats")
     async def internal_stats() -> dict[str, Any]:
         return {"running": server.admission.running, "queued": server.admission.waiting,
                 "draining": server.admission.draining, "ready": server.ready, "engine": engine_stats()}
+
+    if settings.enable_internal_stats:
+        app.get("/v1/internal/stats", dependencies=authorized)(internal_stats)
 
     return app
