@@ -147,6 +147,7 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=6)])
 def test_dflash_sampling_matches_the_targets_distribution(small_vocab_pair, sampling) -> None:  # type: ignore[no-untyped-def]
     """Chi-square on the joint of the first 4 tokens; false alarm 1e-3 per parameter set / 2."""

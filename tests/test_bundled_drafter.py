@@ -37,6 +37,7 @@ def test_bundled_drafter_fits_the_size_limit_and_unpacks_to_a_z_lab_folder(tmp_p
     assert not any(name.endswith((".scales", ".biases")) for name in weights)
 
 
+@pytest.mark.slow
 def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smollm2: LoadedModel) -> None:
     path = default_drafter_path()
     if path is None:
@@ -54,6 +55,7 @@ def test_bundled_drafter_drafts_exactly_with_tau_above_two_on_heldout_math(smoll
     assert delivered / rounds > MIN_TAU
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sequential", "pipelined", "pipelined2", "draft-ahead"])
 def test_every_engine_mode_plays_the_reference_loops_rounds(smollm2: LoadedModel, mode: str, tmp_path: Path) -> None:
     """The same drafts, verdicts and positions every round, in every mode, up to the last round.
@@ -102,6 +104,7 @@ def test_every_engine_mode_plays_the_reference_loops_rounds(smollm2: LoadedModel
     assert replayed.tau_mean == pytest.approx(sum(t * len(w) for t, w in zip(taus, want)) / sum(map(len, want)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pad", [False, True])
 def test_batched_requests_on_the_real_model_equal_plain_greedy(smollm2: LoadedModel, pad: bool) -> None:
     """The engine batches these concurrent requests into shared forwards; each output stays the target's own."""

@@ -22,6 +22,7 @@ def code_set(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_compare_ranks_the_trained_drafter_above_random_weights_with_every_output_exact(
         smollm2: LoadedModel, code_set: Path) -> None:
     bundled = str(default_drafter_path())
@@ -31,6 +32,7 @@ def test_compare_ranks_the_trained_drafter_above_random_weights_with_every_outpu
     assert trained["tau"] > 1.5 and random["tau"] < trained["tau"]
 
 
+@pytest.mark.slow
 def test_compare_prints_one_row_per_drafter_and_one_column_per_set(code_set: Path, capsys: pytest.CaptureFixture[str],
                                                                   smollm2: LoadedModel) -> None:
     compare.main(["--drafts", "random:3", "random:5", "--prompts", str(code_set), "--max-tokens", "8", "--dtype", "float32"])

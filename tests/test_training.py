@@ -158,6 +158,7 @@ def test_training_steps_lower_the_loss(tiny_llama: LoadedModel, examples: list[E
     assert after.accuracy > 0.2 and after.acceptance > before.acceptance
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16-with-float32-master"])
 def test_resuming_a_checkpoint_gives_the_uninterrupted_next_step(
     tmp_path: Path, tiny_llama: LoadedModel, examples: list[Example], dtype: mx.Dtype,
