@@ -30,7 +30,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import anyio
 import mlx.core as mx
@@ -82,6 +82,19 @@ def run_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[int], para
     stats = SpeculativeStats()
     result = run_to_end(generate_speculative(target.model, drafter, target.tokenizer, ids, params, stats), len(ids))
     return result, stats
+
+
+def first_divergence(want: Sequence[int], got: Sequence[int]) -> int | None:
+    """The first token position where ``got`` leaves ``want``; None where they are equal."""
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            return i
+    return None if len(want) == len(got) else min(len(want), len(got))
+
+
+def divergence_summary(positions: list[int | None]) -> dict[str, Any]:
+    found = [p for p in positions if p is not None]
+    return {"median": statistics.median(found) if found else None, "positions": positions}
 
 
 def round_costs_ms(stats: list[SpeculativeStats]) -> dict[str, float]:
@@ -247,6 +260,10 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
     # may flip: how many outputs still equal plain greedy says how often
     equal = {mode: sum(all(run[i] == w for run in got) for i, w in enumerate(want)) for mode, got in outputs.items()}
     exact = {mode: n == len(want) for mode, n in equal.items()}
+    # where each output first leaves plain greedy's (first run): a near-tie flipped there, and
+    # everything after it follows from a different prefix
+    divergence = {mode: divergence_summary([first_divergence(w, got[0][i]) for i, w in enumerate(want)])
+                  for mode, got in outputs.items()}
     block = block_size_for(drafter, params)
     merged = SpeculativeStats([r for _, s in pooled(reference) for r in s.rounds])
     ref = {**aggregate([r for r, _ in pooled(reference)]), **merged.summary(block),
@@ -256,7 +273,7 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
                               for name, (_, s) in zip(names, reference[0])],
            "runs_tokens_per_s": [aggregate([r for r, _ in run])["tokens_per_s"] for run in reference]}
     report = {"block_size": block, "reference": ref, "exact": all(exact.values()), "exact_per_mode": exact,
-              "equal_outputs_per_mode": equal}
+              "equal_outputs_per_mode": equal, "first_divergence_per_mode": divergence}
     if runs:
         modes = {mode: {**engine_summary(pooled(done)), "runs_tokens_per_s": [engine_summary(r)["tokens_per_s"] for r in done]}
                  for mode, done in runs.items()}
@@ -287,6 +304,10 @@ def print_table(report: dict[str, Any]) -> None:
     if "reference" in report:
         print("acceptance per block position:", " ".join(f"{x:.2f}" for x in report["reference"]["acceptance_per_position"]))
         print("reference round parts (ms):", ", ".join(f"{k[:-2]} {v}" for k, v in report["reference"]["round_parts_ms"].items()))
+        for mode, row in report["first_divergence_per_mode"].items():
+            if row["median"] is not None:
+                shown = ", ".join("-" if p is None else str(p) for p in row["positions"])
+                print(f"first token off plain greedy ({mode}): median {row['median']}; per prompt {shown}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
