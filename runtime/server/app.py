@@ -189,6 +189,20 @@ def _shown(name: str) -> str:
     return repr(name if len(name) <= SHOWN_NAME_CHARS else name[:SHOWN_NAME_CHARS] + "...")
 
 
+class ClientWatch:
+    """Cancels ``scope`` once the client disconnects; ``gone`` says whether it did."""
+
+    def __init__(self, receive: Any, scope: anyio.CancelScope) -> None:
+        self.receive, self.scope = receive, scope
+        self.gone = False
+
+    async def watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.scope.cancel()
+
+
 class _SSE(Response):
     """Server-sent events driven by ``run(send_event, receive)``; the client's disconnect is watched for."""
 
@@ -349,20 +363,14 @@ class Server:
 
     async def admit(self, receive: Any) -> bool:
         """Wait for a slot (``queue_timeout_s`` at most); False if the client left meanwhile, which frees its place."""
-        gone = acquired = False
+        acquired = False
         refused: APIError | None = None  # raised after the task group, which would wrap it in a group
         with anyio.CancelScope() as scope:
             self.open.add(scope)
             try:
                 async with anyio.create_task_group() as tg:
-                    async def watch() -> None:
-                        nonlocal gone
-                        while (await receive())["type"] != "http.disconnect":
-                            pass
-                        gone = True
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(watch)
+                    client = ClientWatch(receive, tg.cancel_scope)
+                    tg.start_soon(client.watch)
                     try:
                         await self.admission.acquire(self.settings.queue_timeout_s)
                         acquired = True
@@ -375,29 +383,22 @@ class Server:
             raise refused
         if self.aborting and not acquired:
             raise self.shut_down_error()
-        if gone and acquired:
+        if client.gone and acquired:
             self.admission.release()
-        return acquired and not gone
+        return acquired and not client.gone
 
     async def drive(self, prompt_ids: list[int], params: GenerationParams, receive: Any,
                     on_event: Callable[[TokenEvent], Awaitable[None]]) -> TokenEvent | None:
         """Run one generation; the final event, or None when the client went away (request cancelled)."""
-        disconnected = False
         last: TokenEvent | None = None
         start = time.perf_counter()
         first = True
         self.metrics.prompt_tokens.inc(len(prompt_ids))
 
         async with anyio.create_task_group() as tg:
-            async def watch() -> None:
-                nonlocal disconnected
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                disconnected = True
-                tg.cancel_scope.cancel()
-
+            client = ClientWatch(receive, tg.cancel_scope)
             self.open.add(tg.cancel_scope)
-            tg.start_soon(watch)
+            tg.start_soon(client.watch)
             events = self.engine.generate(prompt_ids, params)
             try:
                 async for event in events:
@@ -409,8 +410,8 @@ class Server:
                         last = event
                     try:
                         await on_event(event)
-                    except OSError:
-                        disconnected = True
+                    except OSError:  # the send failed: the client is gone
+                        client.gone = True
                         break
                     if last is not None:
                         break
@@ -418,10 +419,10 @@ class Server:
                 self.open.discard(tg.cancel_scope)
                 await events.aclose()  # ends the engine request at once when it has not finished
             tg.cancel_scope.cancel()
-        if self.aborting and last is None and not disconnected:
+        if self.aborting and last is None and not client.gone:
             self.metrics.observe_finish("error", {})
             raise self.shut_down_error()
-        if disconnected and last is None:
+        if client.gone and last is None:
             self.metrics.observe_finish("cancelled", {})
             return None
         if last is not None:
