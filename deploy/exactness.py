@@ -30,8 +30,16 @@ import anyio
 import mlx.core as mx
 import mlx.nn as nn
 
+from actors.verifier import PREFILL_BUCKET
 from protocol import GenerationParams
-from runtime.bench import divergence_summary, first_divergence, read_prompts, run_plain, run_together
+from runtime.bench import (
+    divergence_summary,
+    first_divergence,
+    read_prompts,
+    run_plain,
+    run_together,
+)
+from runtime.cache import advance_layers, round_up
 from runtime.defaults import default_drafter_path, default_model_path
 from runtime.loading import LoadedModel, load_drafter, load_target
 from runtime.models.attention import cache_attention
@@ -154,12 +162,40 @@ def trace_position(target: LoadedModel, tokens: list[int], position: int, device
     return {"first_differing": first, "max_abs_diff_per_layer": worst}
 
 
+def plain_on_device_cache(target: LoadedModel, ids: list[int], params: GenerationParams, bucket: int) -> list[int]:
+    """Greedy one-token decoding over the engine's kind of cache: device lengths (RoPE at an array
+    offset, the attention kernel), the prompt prefilled right-padded to ``bucket`` as the verifier does."""
+    model = target.model
+    cache = model.make_device_cache()
+    n = len(ids)
+    padded = ids + [ids[-1]] * (round_up(n, bucket) - n)
+    logits = model(mx.array([padded]), cache, logits_row=n - 1).logits[:, -1]
+    advance_layers(cache, n)
+    for layer in cache:
+        layer.settle(n)
+    tokens = [int(mx.argmax(logits, axis=-1).item())]
+    while len(tokens) < params.max_tokens and tokens[-1] not in target.tokenizer.eos_token_ids:
+        logits = model(mx.array([[tokens[-1]]]), cache).logits[:, -1]
+        advance_layers(cache, 1)
+        for layer in cache:
+            layer.settle(n + len(tokens))
+        tokens.append(int(mx.argmax(logits, axis=-1).item()))
+    return tokens
+
+
 def divergences(target: LoadedModel, drafter: Any, prompts: list[tuple[str, list[int]]],
                 params: GenerationParams) -> tuple[list[int | None], list[list[int]]]:
     results = [run_plain(target, ids, params) for _, ids in prompts]
     plain = [r.token_ids for r in results]
     alone = [anyio.run(run_together, target, drafter, [ids], params, "pipelined").results[0][0] for _, ids in prompts]
     say("plain_speed", tokens_per_s=round(sum(len(r.token_ids) - 1 for r in results) / sum(r.decode_s for r in results), 1))
+    for bucket in (PREFILL_BUCKET, 1):
+        on_device = [plain_on_device_cache(target, ids, params, bucket) for _, ids in prompts]
+        positions = [first_divergence(want, got) for want, got in zip(on_device, alone)]
+        say("agreement_with_plain_on_device_caches", prefill_bucket=bucket, equal=positions.count(None),
+            prompts=len(positions), **divergence_summary(positions))
+        positions = [first_divergence(want, got) for want, got in zip(plain, on_device)]
+        say("plain_vs_plain_on_device_caches", prefill_bucket=bucket, equal=positions.count(None), **divergence_summary(positions))
     return [first_divergence(want, got) for want, got in zip(plain, alone)], plain
 
 
