@@ -39,7 +39,7 @@ import msgspec
 from protocol import GenerationParams, TokenEvent
 
 from .blas import blas_in_use
-from .cli import add_model_arguments, print_json, run_cli
+from .cli import add_model_arguments, new_parser, print_json, run_cli
 from .defaults import default_model_path
 from .drafters import resolve_drafter
 from .engine import MODES, Engine
@@ -311,7 +311,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.bench", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--draft", help="drafter folder, or random:L (default: the bundled drafter; 'none': plain only)")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with 'prompt' or 'messages' per line")
@@ -331,6 +331,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if not args.prompts.is_file():  # before minutes of loading
+        raise RequestError("prompts", f"{args.prompts} does not exist")
     started = time.perf_counter()
     target = load_target(args.model or default_model_path(), dtype=args.dtype)
     load_s = time.perf_counter() - started

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from protocol import GenerationParams
 
 from .errors import RuntimeErrorBase
+
+
+def new_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """An entry point's parser: its docstring's first line as description, defaults shown in --help."""
+    return argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,11 +25,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    parser.add_argument("--temperature", "--temp", type=float, default=0.0, help="below 1e-5 (0 too) means greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -46,3 +53,19 @@ def run_cli(main: Any) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _console_script(module: str) -> Callable[[], None]:
+    """The ``dflash-*`` command for ``python -m <module>`` (pyproject's [project.scripts])."""
+    def script() -> None:
+        main = importlib.import_module(module).main
+        run_cli(lambda: sys.exit(main() or 0))
+    return script
+
+
+generate = _console_script("runtime.generate")
+serve = _console_script("runtime.serve")
+bench = _console_script("runtime.bench")
+loadtest = _console_script("runtime.loadtest")
+replay = _console_script("runtime.replay.cli")
+train = _console_script("runtime.train")

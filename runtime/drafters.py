@@ -45,5 +45,8 @@ def resolve_drafter(spec: str | None, target: LoadedModel, block_size: int = 16)
             raise CheckpointError("this checkout bundles no drafter yet: pass --draft PATH (or random:5)")
         return load_drafter(path, target)
     if spec.startswith(RANDOM_PREFIX):
-        return random_drafter(target, layers=int(spec[len(RANDOM_PREFIX):] or 5), block_size=block_size)
+        layers = spec[len(RANDOM_PREFIX):] or "5"
+        if not layers.isdigit() or int(layers) < 1:
+            raise CheckpointError(f"--draft {spec}: random:L needs a layer count L of at least 1 (e.g. random:5)")
+        return random_drafter(target, layers=int(layers), block_size=block_size)
     return load_drafter(spec, target)

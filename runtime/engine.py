@@ -24,14 +24,22 @@ from actors.mailbox import make_inbox
 from protocol import ActorMessage, Admit, GenerationParams, ModelIdentity, RequestRecord, RoundAck, TokenEvent
 
 from .batching import default_pad_batches
-from .defaults import default_model_path
-from .drafters import resolve_drafter
+from .defaults import default_drafter_path, default_model_path
+from .drafters import RANDOM_PREFIX, resolve_drafter
 from .loading import LoadedModel, hash_folder, load_target
 from .logs import RunLog
 from .models.dflash import DFlashDrafter
 from .plain import check_context
-from .sampling import check_params
+from .sampling import check_params, params_with
 from .speculative import block_size_for
+
+
+def drafter_identity(spec: str | None) -> ModelIdentity | None:
+    """What a run log records of the drafter ``resolve_drafter(spec)`` loads (None for random:L: no weights to rerun)."""
+    path = Path(spec) if spec is not None else default_drafter_path()
+    if path is None or str(spec).startswith(RANDOM_PREFIX):
+        return None
+    return ModelIdentity(path.name, str(path), "dflash", hash_folder(path))
 
 
 class Schedule(NamedTuple):
@@ -87,12 +95,9 @@ class Engine:
              log: str | Path | None = None, dtype: str = "auto", pad_batches: bool | None = None) -> "Engine":
         """Load the target (default SmolLM2-135M-Instruct) and the drafter (default: bundled)."""
         target = load_target(model or default_model_path(), dtype=dtype)
-        drafter = resolve_drafter(str(draft) if draft is not None else None, target)
-        identity = None
-        if draft is not None and not str(draft).startswith("random:"):
-            path = Path(draft)
-            identity = ModelIdentity(path.name, str(path), "dflash", hash_folder(path))
-        return cls(target, drafter, mode=mode, log=log, drafter_identity=identity, pad_batches=pad_batches)
+        spec = str(draft) if draft is not None else None
+        drafter = resolve_drafter(spec, target)
+        return cls(target, drafter, mode=mode, log=log, drafter_identity=drafter_identity(spec), pad_batches=pad_batches)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -145,19 +150,24 @@ class Engine:
         tok = self.target.tokenizer
         if isinstance(prompt, str):
             return tok.encode(prompt)
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, dict)):
+            raise TypeError(f"prompt must be text, a list of chat messages or a list of token ids, "
+                            f"not {type(prompt).__name__}")
         items = list(prompt)
         if items and isinstance(items[0], dict):
             return tok.encode(tok.apply_chat_template(items), add_special_tokens=False)  # type: ignore[arg-type]
         return [int(t) for t in items]  # type: ignore[arg-type]
 
     async def generate(self, prompt: str | Sequence[dict[str, Any]] | Sequence[int],
-                       params: GenerationParams | None = None) -> AsyncIterator[TokenEvent]:
+                       params: GenerationParams | None = None, **fields: Any) -> AsyncIterator[TokenEvent]:
         """Stream token events; the last one has ``finish_reason`` (and usage, timings, stats).
 
-        Invalid parameters, a block larger than the drafter's and a prompt that does not fit
-        the context raise (``RequestError``, ``ContextLengthError``) before anything is admitted.
+        ``fields`` are GenerationParams' own, as keywords (``max_tokens=64, temperature=0.7``),
+        over ``params`` when both are given. A wrong type raises TypeError naming the argument;
+        invalid values, a block larger than the drafter's and a prompt that does not fit the
+        context raise (``RequestError``, ``ContextLengthError``) before anything is admitted.
         """
-        params = params or GenerationParams()
+        params = params_with(params, fields)
         prompt_ids = self.encode(prompt)
         check_params(params)
         block_size_for(self.drafter, params)

@@ -9,13 +9,12 @@ on a machine without the source packages:
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 from pathlib import Path
 from typing import Any
 
-from .cli import run_cli
+from .cli import new_parser, run_cli
 from .training.corpora import GSM_EVAL_SEEDS, HELDOUT_FRACTION, chat_prompts, is_heldout, package_file
 
 
@@ -43,7 +42,7 @@ def chat(count: int) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m runtime.evalsets", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.evalsets", __doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--count", type=int, default=40, help="prompts per set")
     args = parser.parse_args(argv)

@@ -131,7 +131,10 @@ def read_safetensors(files: list[Path], desc: str) -> dict[str, mx.array]:
     tensors: dict[str, mx.array] = {}
     with _progress(sum(f.stat().st_size for f in files), desc) as bar:
         for path in files:
-            tensors.update(mx.load(str(path)))
+            try:
+                tensors.update(mx.load(str(path)))
+            except (RuntimeError, ValueError) as exc:  # a truncated or corrupt file: MLX names the tensor
+                raise CheckpointError(f"{path} cannot be read ({exc}); download or write it again") from None
             bar.update(path.stat().st_size)
     return tensors
 

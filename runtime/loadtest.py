@@ -22,7 +22,8 @@ import anyio
 import httpx
 
 from .bench import DEFAULT_PROMPTS
-from .cli import print_json, run_cli
+from .errors import RequestError
+from .cli import new_parser, print_json, run_cli
 
 
 def read_chat_prompts(path: Path) -> list[list[dict[str, str]]]:
@@ -70,7 +71,8 @@ async def load_test(args: argparse.Namespace) -> list[dict[str, Any]]:
     chats = read_chat_prompts(args.prompts)
     url = args.url.rstrip("/")
     async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=max(args.concurrency) + 4)) as client:
-        model = args.model or (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        listed = await client.get(url + "/v1/models")  # also: is anything there (a refused connection raises)
+        model = args.model or listed.json()["data"][0]["id"]
         await one_level(client, url, model, chats, 1, 1, min(args.max_tokens, 16))  # warm-up
         return [await one_level(client, url, model, chats, c, args.rounds, args.max_tokens) for c in args.concurrency]
 
@@ -85,7 +87,7 @@ def print_table(levels: list[dict[str, Any]]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m runtime.loadtest", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.loadtest", __doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", help="model id to send (default: the first one /v1/models lists)")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL with 'messages' or 'prompt' per line")
@@ -99,7 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    levels = anyio.run(load_test, args)
+    try:
+        levels = anyio.run(load_test, args)
+    except httpx.TransportError as exc:
+        raise RequestError("url", f"cannot reach {args.url} ({exc or type(exc).__name__}): is the server running?") from None
     print_json({"url": args.url, "max_tokens": args.max_tokens, "levels": levels}) if args.json else print_table(levels)
 
 

@@ -28,7 +28,6 @@ the most own time are listed: the host's share of a round, by function. ``--comp
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -44,7 +43,7 @@ from protocol import GenerationParams
 
 from .bench import run_engine
 from .cache import DeviceKVCache, advance_layers
-from .cli import add_model_arguments, print_json, run_cli
+from .cli import add_model_arguments, new_parser, print_json, run_cli
 from .defaults import default_model_path
 from .drafters import resolve_drafter
 from .engine import MODES
@@ -234,7 +233,7 @@ def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m runtime.profile", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.profile", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--draft", default="random:5", help="drafter folder or random:L (default random:5)")
     parser.add_argument("--block-size", type=int, default=16)

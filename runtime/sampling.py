@@ -6,7 +6,10 @@ means the same distribution in both, not merely a similar one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
+import msgspec
 
 from protocol import GenerationParams
 
@@ -15,6 +18,30 @@ from .errors import RequestError
 # Below this a temperature is greedy, as vLLM treats it: dividing logits by 1e-40 overflows
 # float32 to inf (and inf - inf to NaN), which would sample garbage, EOS included.
 GREEDY_BELOW = 1e-5
+
+
+def params_with(params: GenerationParams | None, fields: dict[str, Any], caller: str = "generate") -> GenerationParams:
+    """``params`` (or the defaults) with ``fields`` replaced, every field's type checked.
+
+    The keyword form (``generate(prompt, max_tokens=64, temperature=0.7)``) is what users of
+    mlx-lm and vLLM write; a wrong type is a TypeError naming the argument, not a failure deep
+    inside a round.
+    """
+    if params is not None and not isinstance(params, GenerationParams):
+        raise TypeError(f"{caller}(): params must be a GenerationParams, not {type(params).__name__}; "
+                        f"or pass its fields as keywords: {caller}(prompt, max_tokens=64, temperature=0.7)")
+    known = GenerationParams.__struct_fields__
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r} (fields: {', '.join(known)})")
+    if isinstance(fields.get("stop"), str):
+        fields = {**fields, "stop": (fields["stop"],)}
+    try:
+        return msgspec.convert({**msgspec.structs.asdict(params or GenerationParams()), **fields}, GenerationParams)
+    except msgspec.ValidationError as exc:
+        where, _, _ = str(exc).rpartition(" - at `$.")
+        name = str(exc).rpartition("`$.")[2].rstrip("`").split("[")[0]
+        raise TypeError(f"{caller}(): {name}: {where or exc}") from None
 
 
 def check_params(params: GenerationParams) -> None:

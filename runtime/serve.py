@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from .cli import new_parser, run_cli
 from .engine import MODES, Engine
 from .server import ServerSettings, create_app
 from .server.app import default_allowed_hosts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.split("\n")[0])
+    p = new_parser("python -m runtime.serve", __doc__)
     p.add_argument("--model", help="target: HF or MLX folder, or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="DFlash drafter folder or random:L (default: the bundled drafter)")
     p.add_argument("--dtype", default="auto")
@@ -74,4 +75,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

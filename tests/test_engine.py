@@ -480,3 +480,25 @@ def test_a_failed_verify_on_a_kept_stack_is_retried_per_request_from_the_same_st
     monkeypatch.setattr(StackedKVCache, "advance", flaky_advance)
     engine = Engine(tiny_llama, tiny_drafter)
     injected.check_outputs(engine, tiny_llama)
+
+
+def test_generate_takes_params_as_keywords_and_refuses_wrong_types_by_name(tiny_llama: LoadedModel,
+                                                                         tiny_drafter: DFlashDrafter) -> None:
+    async def main() -> None:
+        async with Engine(tiny_llama, tiny_drafter) as engine:
+            want = (await collect(engine, PROMPTS[0], GenerationParams(max_tokens=9, stop=("x",))))[0]
+            got = [t async for e in engine.generate(PROMPTS[0], max_tokens=9, stop="x") for t in e.token_ids]
+            assert got == want
+            for params, fields, named in [({"max_tokens": 9}, {}, "GenerationParams"),
+                                          (None, {"max_tokens": "nine"}, "max_tokens"),
+                                          (None, {"temperature": [0.5]}, "temperature"),
+                                          (None, {"max_token": 9}, "'max_token'")]:
+                with pytest.raises(TypeError, match=named):
+                    async for _ in engine.generate(PROMPTS[0], params, **fields):  # type: ignore[arg-type]
+                        pass
+            with pytest.raises(TypeError, match="prompt must be"):
+                async for _ in engine.generate(42):  # type: ignore[arg-type]
+                    pass
+            assert (await engine.stats()).live_requests == 0
+
+    run(main)

@@ -20,6 +20,7 @@ from .reading import ReplayError, ReplayLog, RequestLog, RoundWindow, read_log
 from .report import Report, render
 from .summary import round_rows, summarize
 from .trace import write_trace
+from ..cli import new_parser
 
 
 def _window(text: str) -> RoundWindow:
@@ -30,7 +31,7 @@ def _window(text: str) -> RoundWindow:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m runtime.replay", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.replay", __doc__)
     parser.add_argument("log", type=Path, help="a run log (JSONL) written by Engine(log=...)")
     parser.add_argument("--request", help="only this request id (req-0#2: the id's second use in an appended log)")
     parser.add_argument("--rounds", type=_window, default=RoundWindow(), metavar="A:B",

@@ -13,14 +13,13 @@ drafters (runtime.training.pack) are unpacked first; the result is a bf16 z-lab 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from ..cli import run_cli
+from ..cli import new_parser, run_cli
 from ..errors import CheckpointError
 from ..loading import dequantize_layers, quantized_layers, read_safetensors, safetensors_files
 from .drafter import widened_fc, write_z_lab_folder
@@ -63,7 +62,7 @@ def average_drafters(a: Path, b: Path, weight: float = 0.5) -> tuple[dict[str, A
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m runtime.training.average", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.training.average", __doc__)
     parser.add_argument("a", type=Path)
     parser.add_argument("b", type=Path)
     parser.add_argument("--out", type=Path, required=True)

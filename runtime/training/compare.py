@@ -21,7 +21,7 @@ import msgspec
 from protocol import GenerationParams
 
 from ..bench import read_prompts, run_dflash, run_plain
-from ..cli import add_model_arguments, print_json, run_cli
+from ..cli import add_model_arguments, new_parser, print_json, run_cli
 from ..defaults import default_model_path
 from ..drafters import resolve_drafter
 from ..loading import LoadedModel, load_target
@@ -66,7 +66,7 @@ def print_table(report: dict[str, Any], sets: list[Path]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m runtime.training.compare", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.training.compare", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--drafts", nargs="+", required=True, metavar="DRAFTER", help="drafter folders (or random:L)")
     parser.add_argument("--prompts", nargs="+", required=True, type=Path, metavar="SET", help="JSONL prompt sets")

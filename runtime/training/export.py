@@ -17,7 +17,6 @@ raw-text code prompts short, or with a ``>>>`` example, as HumanEval's are.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import gzip
 import json
@@ -26,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from ..cli import run_cli
+from ..cli import new_parser, run_cli
 from .corpora import (
     HELDOUT_FRACTION,
     SOURCE_NAMES,
@@ -135,7 +134,7 @@ def export(sources: list[str], samples: int, out: Path, base: Path | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m runtime.training.export", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.training.export", __doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--data", nargs="+", required=True, metavar="SOURCE", help=f"{', '.join(SOURCE_NAMES)} or files")
     parser.add_argument("--samples", type=int, default=40_000, help="prompts in all, shared evenly among the sources")

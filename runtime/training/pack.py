@@ -11,13 +11,12 @@ loader reads the unpacked form only, which is what ``runtime.train`` writes and 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..cli import run_cli
+from ..cli import new_parser, run_cli
 from ..errors import CheckpointError
 from ..loading import dequantize_layers, quantized_layers, read_safetensors, safetensors_files
 from .drafter import write_z_lab_folder
@@ -64,7 +63,7 @@ def unpack_drafter(src: Path, out: Path) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m runtime.training.pack", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.training.pack", __doc__)
     parser.add_argument("src", type=Path, help="a drafter folder (runtime.train's output)")
     parser.add_argument("out", type=Path)
     parser.add_argument("--bits", type=int, default=8, choices=(4, 8))

@@ -20,14 +20,13 @@ Its responses are then regenerated like every other prompt's (``python -m runtim
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 from tqdm import tqdm
 
-from ..cli import add_model_arguments, run_cli
+from ..cli import add_model_arguments, new_parser, run_cli
 from ..defaults import default_model_path
 from ..loading import LoadedModel, load_target
 from .corpora import (HELDOUT_FRACTION, analogy_lines, canonical, chat_prompts, chatterbot_files, file_prompts, heldout_lines,
@@ -147,7 +146,7 @@ def write_questions(target: LoadedModel, asks: list[str], out: Path, batch_size:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m runtime.training.questions", description=__doc__.split("\n")[0])
+    parser = new_parser("python -m runtime.training.questions", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch-size", type=int, default=64, help="asks decoded together")
