@@ -67,6 +67,27 @@ def test_health_models_and_metrics(server: ServerThread) -> None:
         assert name in text
 
 
+def test_vllm_named_metrics_count_what_was_served(server: ServerThread, client: openai.OpenAI) -> None:
+    """vLLM's series names and label, so its dashboards and autoscalers read this server."""
+    label = f'{{model_name="{MODEL}"}}'
+    before = {name: metric(server, name + label) for name in (
+        "vllm:generation_tokens_total", "vllm:spec_decode_num_drafts_total", "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count", "vllm:inter_token_latency_seconds_count")}
+    out = client.completions.create(model=MODEL, prompt=TEXT[2], max_tokens=20, temperature=0)
+    after = {name: metric(server, name + label) for name in before}
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == out.usage.completion_tokens
+    assert after["vllm:spec_decode_num_drafts_total"] > before["vllm:spec_decode_num_drafts_total"]
+    assert after["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"] + 1
+    assert after["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"] + 1
+    assert after["vllm:inter_token_latency_seconds_count"] > before["vllm:inter_token_latency_seconds_count"]
+    drafted, accepted = metric(server, "vllm:spec_decode_num_draft_tokens_total" + label), \
+        metric(server, "vllm:spec_decode_num_accepted_tokens_total" + label)
+    per_position = metric(server, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert 0 <= accepted <= drafted and per_position == accepted
+    assert metric(server, "vllm:num_requests_running" + label) == 0
+    assert metric(server, "vllm:num_requests_waiting" + label) == 0
+
+
 def test_greedy_chat_and_completions_equal_the_engine(client: openai.OpenAI, direct: dict[str, list[str]]) -> None:
     chat = client.chat.completions.create(model=MODEL, messages=CHAT[0], max_tokens=24, temperature=0)
     assert chat.choices[0].message.content == direct["chat"][0]

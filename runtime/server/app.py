@@ -114,23 +114,23 @@ class Admission:
                            f"(limits {self.max_concurrent} + {self.max_queue})", type_="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": self.retry_after()})
         self.waiting += 1
-        self.metrics.queued.set(self.waiting)
+        self.metrics.set_queued(self.waiting)
         try:
             with anyio.move_on_after(timeout) as waited:
                 await self._slots.acquire()
         finally:
             self.waiting -= 1
-            self.metrics.queued.set(self.waiting)
+            self.metrics.set_queued(self.waiting)
         if waited.cancelled_caught:
             raise self.unavailable(f"no generation slot became free within {timeout:g} s")
         self.running += 1
-        self.metrics.running.set(self.running)
+        self.metrics.set_running(self.running)
 
     def release(self, service_s: float | None = None) -> None:
         if service_s is not None:
             self.mean_service_s += 0.2 * (service_s - self.mean_service_s)
         self.running -= 1
-        self.metrics.running.set(self.running)
+        self.metrics.set_running(self.running)
         self._slots.release()
 
     async def wait_idle(self, timeout: float) -> None:
@@ -233,11 +233,11 @@ class Server:
 
     def __init__(self, engine: Engine, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
-        self.metrics = Metrics()
+        self.model_name = settings.model_name or engine.target.name
+        self.metrics = Metrics(self.model_name)
         self.admission = Admission(settings.max_concurrent, settings.max_queue, self.metrics, settings.retry_after_s)
         self.ready = False
         self.created = int(time.time())
-        self.model_name = settings.model_name or engine.target.name
         self.open: set[anyio.CancelScope] = set()  # each queued or running request's scope, for a forced shutdown
         self.aborting = False
         self._shutdown: anyio.Event | None = None
@@ -393,7 +393,8 @@ class Server:
         last: TokenEvent | None = None
         start = time.perf_counter()
         first = True
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.observe_prompt(len(prompt_ids))
+        previous: float | None = None
 
         async with anyio.create_task_group() as tg:
             client = ClientWatch(receive, tg.cancel_scope)
@@ -402,10 +403,13 @@ class Server:
             events = self.engine.generate(prompt_ids, params)
             try:
                 async for event in events:
+                    now = time.perf_counter()
                     if first and event.token_ids:
                         first = False
-                        self.metrics.ttft.observe(time.perf_counter() - start)
-                    self.metrics.generated_tokens.inc(len(event.token_ids))
+                        self.metrics.observe_first_token(now - start)
+                    if event.token_ids:
+                        self.metrics.observe_tokens(len(event.token_ids), None if previous is None else now - previous)
+                        previous = now
                     if event.finish_reason is not None:
                         last = event
                     try:
@@ -426,7 +430,7 @@ class Server:
             self.metrics.observe_finish("cancelled", {})
             return None
         if last is not None:
-            self.metrics.observe_finish(last.finish_reason or "stop", dict(last.stats))
+            self.metrics.observe_finish(last.finish_reason or "stop", dict(last.stats), time.perf_counter() - start)
         return last
 
     async def warm_up(self) -> None:
