@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple, Sequence
 import anyio
 import mlx.core as mx
 import msgspec
+from tqdm import tqdm
 
 from protocol import GenerationParams, TokenEvent
 
@@ -211,6 +213,8 @@ def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[i
     with concurrency, a first group at the batch size the timed groups use).
     """
     warm = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, 24))
+    if sys.stderr.isatty():
+        print("warming up: every kernel and compiled step the timed runs need (minutes on a fresh GPU)", file=sys.stderr)
     run_plain(target, ids[0], warm)
     if drafter is None:
         return
@@ -234,14 +238,19 @@ def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[lis
     modes = ["plain"] + (["reference"] if drafter is not None else []) + (list(MODES) if drafter is not None and engine else [])
     runs: dict[str, list[list[Any]]] = {mode: [[] for _ in range(repeat)] for mode in modes}
     groups = [ids[i : i + concurrency] for i in range(0, len(ids), concurrency)]
-    for r in range(repeat):
-        for group in groups:
-            runs["plain"][r] += [run_plain(target, prompt, params) for prompt in group]
-            if drafter is None:
-                continue
-            runs["reference"][r] += [run_dflash(target, drafter, prompt, params) for prompt in group]
-            for mode in MODES if engine else ():
-                runs[mode][r].append(anyio.run(run_together, target, drafter, group, params, mode, log))
+    # on a terminal: a bar over (repeat, group, mode) runs; minutes pass between its steps' ends otherwise unseen
+    with tqdm(total=repeat * len(groups) * len(modes), desc="bench", unit="run", disable=None, leave=False) as bar:
+        for r in range(repeat):
+            for group in groups:
+                runs["plain"][r] += [run_plain(target, prompt, params) for prompt in group]
+                bar.update()
+                if drafter is None:
+                    continue
+                runs["reference"][r] += [run_dflash(target, drafter, prompt, params) for prompt in group]
+                bar.update()
+                for mode in MODES if engine else ():
+                    runs[mode][r].append(anyio.run(run_together, target, drafter, group, params, mode, log))
+                    bar.update()
     return runs
 
 
