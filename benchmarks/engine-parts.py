@@ -1,6 +1,6 @@
 """Where the actor engine's host time goes, per round: one mode over the bench prompts.
 
-    PYTHONPATH=. python deploy/engine-parts.py MODE SECONDS [DTYPE] [DRAFTER] [--parts]
+    PYTHONPATH=. python benchmarks/engine-parts.py MODE SECONDS [DTYPE] [DRAFTER] [--parts]
     (MODE: pipelined, sequential or pipelined2; DRAFTER default random:5; TOKENS, PROMPTS env)
 
 Runs the engine on the bundled bench prompts (block 16) until SECONDS have passed and prints

@@ -7,8 +7,8 @@
 #   (EVAL_DIR picks the held-out sets for eval:, default runs/eval; REPEAT engine runs per mode, default 3;
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   TASKSET=CPUS runs each bench on those cores only (taskset -c);
-#   a fresh machine first builds its kernels for minutes: run `bash deploy/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash deploy/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   a fresh machine first builds its kernels for minutes: run `bash benchmarks/gpu-measure.sh warm` first)
+#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -38,8 +38,8 @@ print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", ro
 PY
 }
 
-start_warm_engine() {  # mode, seconds, log: deploy/engine-parts.py in the background ($pid), returning once it is warm
-  python3 deploy/engine-parts.py "$1" "$2" native random:5 > "$3" 2>&1 &
+start_warm_engine() {  # mode, seconds, log: benchmarks/engine-parts.py in the background ($pid), returning once it is warm
+  python3 benchmarks/engine-parts.py "$1" "$2" native random:5 > "$3" 2>&1 &
   pid=$!
   for _ in $(seq 120); do grep -q warm "$3" && break; sleep 1; done
 }
@@ -79,18 +79,18 @@ PY
         (export ${setting//,/ }; bench "random5-b16-${setting//[=,]/-}" --draft random:5 --block-size 16 --dtype native)
       done ;;
     spy)  # where each mode's host time goes, waits included: py-spy (PY_SPY, default py-spy) of
-      # deploy/engine-parts.py, --idle so that time blocked in MLX (a full queue, a readout) shows as frames;
-      # compare the two with `python deploy/spy-diff.py $OUT/spy-pipelined.txt $OUT/spy-sequential.txt`
+      # benchmarks/engine-parts.py, --idle so that time blocked in MLX (a full queue, a readout) shows as frames;
+      # compare the two with `python benchmarks/spy-diff.py $OUT/spy-pipelined.txt $OUT/spy-sequential.txt`
       for mode in pipelined sequential; do
         start_warm_engine $mode 40 "$OUT/parts-$mode.log"
         "${PY_SPY:-py-spy}" record --pid $pid --duration 20 -r 400 --native --idle -f raw -o "$OUT/spy-$mode.txt" > /dev/null 2>&1
         wait $pid; tail -2 "$OUT/parts-$mode.log"
       done ;;
-    threads)  # each thread's CPU share while an engine runs, per mode (deploy/thread-cpu.py): whether one of MLX's
+    threads)  # each thread's CPU share while an engine runs, per mode (benchmarks/thread-cpu.py): whether one of MLX's
       # native threads spins beside the engine's (py-spy sees Python's threads only)
       for mode in pipelined sequential; do
         start_warm_engine $mode 30 "$OUT/threads-$mode.log"
-        echo "$mode:"; python3 deploy/thread-cpu.py $pid 10
+        echo "$mode:"; python3 benchmarks/thread-cpu.py $pid 10
         wait $pid; tail -1 "$OUT/threads-$mode.log"
       done ;;
     plain)

@@ -3,7 +3,7 @@
 # concurrencies, this project's server (DFlash, batched rounds) beside mlx_lm.server
 # (plain decoding with its own batching) on the same bf16 weights and prompts.
 # Stage MLX plus the server and mlx-lm wheels first (see the issue note), then:
-#   export PYTHONPATH=/tmp/site && bash deploy/gpu-serve.sh [PROMPTS.jsonl]
+#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-serve.sh [PROMPTS.jsonl]
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
 OUT=${OUT:-/tmp/gpu-serve}

@@ -8,7 +8,7 @@ append-then-read steps on a buffer the size of one layer's keys, three ways: eac
 waited for (sequential), the previous step read while the next is queued (pipelined), and
 nothing read until the end; the peak memory above the buffer shows the copies:
 
-    PYTHONPATH=. python deploy/donation.py          # on the CPU or on the GPU machine
+    PYTHONPATH=. python benchmarks/donation.py          # on the CPU or on the GPU machine
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ microseconds queueing each op. This times chains of ``CHAIN`` ops of one kind at
 round's shapes (16 rows, SmolLM2-135M's widths), so a change that swaps one kind of op for
 another can be judged before it is written:
 
-    PYTHONPATH=. python deploy/op-costs.py            # on the GPU machine, after warm-up
+    PYTHONPATH=. python benchmarks/op-costs.py            # on the GPU machine, after warm-up
 
 Per op: the host's time inside ``mx.async_eval`` of an already built eager graph, the
 same with the graph built and queued by an ``mx.compile``d chain (what the engine's steps

@@ -1,6 +1,6 @@
 """Each thread's CPU share of a running process over a few seconds, and the cores it ran on.
 
-    python deploy/thread-cpu.py PID [SECONDS]
+    python benchmarks/thread-cpu.py PID [SECONDS]
 
 For the question a sampling profiler cannot answer: py-spy sees only Python's threads, and the
 engine's host time per round grows when the GPU is busy in every frame alike, as if the thread

@@ -1,6 +1,6 @@
 """Compare two py-spy raw profiles (``py-spy record -f raw``) frame by frame.
 
-    python deploy/spy-diff.py spy-pipelined.txt spy-sequential.txt [--top 40] [--by python]
+    python benchmarks/spy-diff.py spy-pipelined.txt spy-sequential.txt [--top 40] [--by python]
 
 Prints each frame's inclusive share of its profile's samples in both, the frames whose
 shares differ most first: where one engine mode spends host time the other does not.
