@@ -62,15 +62,14 @@ def cache_dir() -> Path:
     return Path(base) / "dflash-runtime"
 
 
-def _wheel_library(dist: str, relative_dir: str, prefix: str) -> str | None:
+def _wheel_files(dist: str, folder: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The shared libraries an installed distribution puts in ``folder`` whose names start with ``prefixes``."""
     try:
         files = importlib.metadata.distribution(dist).files or []
     except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in files:
-        if file.parent.as_posix() == relative_dir and file.name.startswith(prefix) and ".so" in file.name:
-            return str(file.locate())
-    return None
+        return []
+    return [str(f.locate()) for f in files
+            if f.parent.as_posix() == folder and f.name.startswith(prefixes) and ".so" in f.name]
 
 
 def candidates() -> list[Candidate]:
@@ -78,21 +77,16 @@ def candidates() -> list[Candidate]:
     if asked and asked != "openblas":
         return [Candidate(asked, asked, from_wheel=True)]
     found = [Candidate("ngsolve-openblas", path, from_wheel=True)
-             for path in [_wheel_library("ngsolve-openblas", "ngsolve_openblas", "libopenblas")] if path]
+             for path in _wheel_files("ngsolve-openblas", "ngsolve_openblas", ("libopenblas",))[:1]]
     found.append(Candidate(f"system {SYSTEM_OPENBLAS}", SYSTEM_OPENBLAS))
     found += [Candidate("cmeel-openblas", path, from_wheel=True)
-              for path in [_wheel_library("cmeel-openblas", "cmeel.prefix/lib", "libopenblas.so.0")] if path]
+              for path in _wheel_files("cmeel-openblas", "cmeel.prefix/lib", ("libopenblas.so.0",))[:1]]
     return found
 
 
 def _bundled_fortran_runtime() -> list[Path]:
     """mlx-cpu's own libgfortran and the libquadmath it needs (auditwheel renamed both)."""
-    try:
-        files = importlib.metadata.distribution("mlx-cpu").files or []
-    except importlib.metadata.PackageNotFoundError:
-        return []
-    return [Path(str(f.locate())) for f in files
-            if f.parent.as_posix() == "mlx_cpu.libs" and f.name.startswith(("libgfortran-", "libquadmath-"))]
+    return [Path(p) for p in _wheel_files("mlx-cpu", "mlx_cpu.libs", ("libgfortran-", "libquadmath-"))]
 
 
 def with_fortran_runtime(library: str) -> str:
