@@ -392,9 +392,8 @@ class Server:
         """Run one generation; the final event, or None when the client went away (request cancelled)."""
         last: TokenEvent | None = None
         start = time.perf_counter()
-        first = True
         self.metrics.observe_prompt(len(prompt_ids))
-        previous: float | None = None
+        previous: float | None = None  # when the last tokens came; None until the first
 
         async with anyio.create_task_group() as tg:
             client = ClientWatch(receive, tg.cancel_scope)
@@ -403,11 +402,10 @@ class Server:
             events = self.engine.generate(prompt_ids, params)
             try:
                 async for event in events:
-                    now = time.perf_counter()
-                    if first and event.token_ids:
-                        first = False
-                        self.metrics.observe_first_token(now - start)
                     if event.token_ids:
+                        now = time.perf_counter()
+                        if previous is None:
+                            self.metrics.observe_first_token(now - start)
                         self.metrics.observe_tokens(len(event.token_ids), None if previous is None else now - previous)
                         previous = now
                     if event.finish_reason is not None:
