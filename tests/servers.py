@@ -49,6 +49,37 @@ class ServerThread:
             time.sleep(0.05)
 
 
+class HealthWatch:
+    """Polls ``/health`` from a thread while the ``with`` block runs: each probe's status and latency."""
+
+    def __init__(self, url: str, every_s: float = 0.02) -> None:
+        self.url, self.every_s = url, every_s
+        self.probes: list[tuple[int, float]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll)
+
+    def _poll(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=10) as http:
+            while not self._done.is_set():
+                start = time.perf_counter()
+                status = http.get("/health").status_code
+                self.probes.append((status, time.perf_counter() - start))
+                time.sleep(self.every_s)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def assert_always_fast(self, min_probes: int, limit_s: float = 1.0) -> None:
+        assert len(self.probes) > min_probes and {status for status, _ in self.probes} == {200}, self.probes[:5]
+        slowest = max(latency for _, latency in self.probes)
+        assert slowest < limit_s, slowest
+
+
 def metric(server: ServerThread, name: str) -> float:
     total = 0.0
     for line in httpx.get(server.url + "/metrics").text.splitlines():

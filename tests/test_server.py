@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from runtime.loading import LoadedModel
 from runtime.models.dflash import DFlashDrafter
 from runtime.server import ServerSettings, create_app
 
-from .servers import ServerThread, metric
+from .servers import HealthWatch, ServerThread, metric
 
 MODEL = "tiny"
 CHAT = [[{"role": "user", "content": f"Hello number {i}, tell me about foxes."}] for i in range(16)]
@@ -258,17 +257,6 @@ def _malformed_request(rng: random.Random, http: httpx.Client) -> tuple[Any, htt
 
 def test_a_thousand_malformed_and_extreme_requests_get_only_4xx_and_health_stays_fast(
         server: ServerThread, client: openai.OpenAI, direct: dict[str, list[str]]) -> None:
-    health: list[tuple[int, float]] = []
-    done = threading.Event()
-
-    def watch_health() -> None:
-        with httpx.Client(base_url=server.url, timeout=10) as http:
-            while not done.is_set():
-                start = time.perf_counter()
-                status = http.get("/health").status_code
-                health.append((status, time.perf_counter() - start))
-                time.sleep(0.02)
-
     def send_many(seed: int) -> list[tuple[Any, int, str]]:
         rng = random.Random(seed)
         with httpx.Client(base_url=server.url, timeout=60) as http:
@@ -280,21 +268,14 @@ def test_a_thousand_malformed_and_extreme_requests_get_only_4xx_and_health_stays
                 results.append((sent, r.status_code, r.text[:200]))
             return results
 
-    watcher = threading.Thread(target=watch_health)
-    watcher.start()
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            results = [item for batch in pool.map(send_many, range(4)) for item in batch]
-    finally:
-        done.set()
-        watcher.join()
+    with HealthWatch(server.url) as health, ThreadPoolExecutor(4) as pool:
+        results = [item for batch in pool.map(send_many, range(4)) for item in batch]
     statuses = Counter(status for _, status, _ in results)
     assert len(results) >= 1000 and statuses[200] > 0
     server_errors = [(str(sent)[:200], status, text) for sent, status, text in results if status >= 500]
     assert not server_errors, server_errors[:5]
     assert all(400 <= s < 500 for s in statuses if s != 200), statuses
-    assert len(health) > 20 and {status for status, _ in health} == {200}
-    assert max(latency for _, latency in health) < 1.0, max(latency for _, latency in health)
+    health.assert_always_fast(min_probes=20)
     assert _wait_idle(server)["engine"]["live_requests"] == 0
     out = client.chat.completions.create(model=MODEL, messages=CHAT[0], max_tokens=24, temperature=0)
     assert out.choices[0].message.content == direct["chat"][0]
