@@ -46,7 +46,7 @@ wait_for http://127.0.0.1:8100/health $ours
 load dflash-runtime 8100
 kill $ours; wait $ours 2> /dev/null || true
 
-python3 deploy/export_hf.py /tmp/smollm2-hf --dtype bfloat16
+python3 -m runtime.convert --out /tmp/smollm2-hf --dtype bfloat16
 mkdir -p /tmp/hf-cache && HF_HUB_CACHE=/tmp/hf-cache HF_HUB_OFFLINE=1 python3 -m mlx_lm server --model /tmp/smollm2-hf --port 8101 --decode-concurrency 32 --prompt-concurrency 8 \
   > "$OUT/mlx_lm.log" 2>&1 &
 theirs=$!

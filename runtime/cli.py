@@ -20,7 +20,9 @@ def new_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="target: HF or MLX-quantized folder, or a .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help="target: HF or MLX-quantized folder, a .gguf file, or random:qwen3-8b, random:qwen3-4b, "
+                        "random:llama-3.1-8b (published shapes, random weights; -4bit/-8bit quantized) "
+                        "(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", help="compute dtype: auto (float32 on CPU, native on GPU), native, float32, float16, bfloat16")
 
 
@@ -69,3 +71,4 @@ bench = _console_script("runtime.bench")
 loadtest = _console_script("runtime.loadtest")
 replay = _console_script("runtime.replay.cli")
 train = _console_script("runtime.train")
+convert = _console_script("runtime.convert")

@@ -398,6 +398,10 @@ def build_target(ckpt: Checkpoint, dtype: str = "auto") -> tuple[DecoderModel, s
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
+    if isinstance(path, str) and path.startswith("random:"):
+        from .random_targets import random_checkpoint  # it builds on this module
+
+        return random_checkpoint(path)
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: give a model folder or a .gguf file")
@@ -414,7 +418,11 @@ def load_target(path: str | Path, dtype: str = "auto", fuse: bool = True) -> Loa
     ``fuse`` computes q/k/v and gate/up in one matmul each (fewer ops per forward); the
     model's parameters then no longer carry the checkpoint's names (export with fuse=False).
     """
-    ckpt = read_checkpoint(path)
+    return load_checkpoint(read_checkpoint(path), dtype, fuse)
+
+
+def load_checkpoint(ckpt: Checkpoint, dtype: str = "auto", fuse: bool = True) -> LoadedModel:
+    """:func:`load_target` for a checkpoint already read."""
     tokenizer = ckpt.tokenizer()
     model, compute = build_target(ckpt, dtype)
     if fuse:
