@@ -25,8 +25,9 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from protocol import ActorMessage, Admit, Drafted, RoundAck, VerdictQueued
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
 from runtime.cache import DeviceKVCache, KeptStack, restored_on_failure
-from runtime.models.dflash import DFlashDrafter
-from runtime.speculative import block_size_for
+from runtime.models.dflash import DFlashDrafter, Proposal
+from runtime.sampling import Sampler
+from runtime.speculative import block_size_for, draft_sampler, propose_drafts
 
 from .mailbox import DeviceStateOwner, send_burst
 
@@ -46,6 +47,7 @@ class DraftOutputs:
     block_size: int
     readout: HostReadout  # the step's drafts, context lengths before and after
     row: int
+    probs: mx.array | None = None  # [width-1, V]: the q the drafts were drawn from (DFlash 2 sampling), else None
 
     def host(self) -> DraftedRow:
         values = self.readout.row(self.row).tolist()
@@ -62,6 +64,7 @@ class DrafterRequest:
     acked: int = -2  # latest round the committer acknowledged
     generated: int = 0  # tokens committed as of the latest ack
     outputs: dict[int, DraftOutputs] = field(default_factory=dict)
+    sampler: Sampler | None = None  # the drafter's own draws (runtime.speculative.draft_sampler)
 
 
 class Drafter(DeviceStateOwner[DrafterRequest]):
@@ -102,7 +105,8 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
     async def handle(self, message: ActorMessage) -> None:
         if isinstance(message, Admit):
             self.requests[message.request_id] = DrafterRequest(
-                self.drafter.make_device_cache(), block_size_for(self.drafter, message.params), message.params.max_tokens)
+                self.drafter.make_device_cache(), block_size_for(self.drafter, message.params), message.params.max_tokens,
+                sampler=draft_sampler(self.drafter, message.params))
             return
         request = self.requests.get(message.request_id)
         if request is None:
@@ -158,10 +162,11 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         previous = [self.verifier.outputs(rid, n - 1) for rid, n in zip(request_ids, rounds)]
         # newcomers' context is written before the step, outside any stack (they never are in one)
         with restored_on_failure([r.cache for r, p in zip(requests, previous) if p.block_size == 0]):
-            drafts, ctx_before, ctx_after = self._forward(list(request_ids), requests, previous)
+            (drafts, probs), ctx_before, ctx_after = self._forward(list(request_ids), requests, previous)
         readout = HostReadout([drafts, ctx_before, ctx_after])
         for row, (request, round, block) in enumerate(zip(requests, rounds, blocks)):
-            request.outputs[round] = DraftOutputs(drafts[row], block, readout, row)
+            q = probs[row] if probs is not None and request.sampler is not None else None
+            request.outputs[round] = DraftOutputs(drafts[row], block, readout, row, q)
             request.next_round += 1
         mx.async_eval(readout.packed)
         now = time.perf_counter()
@@ -170,8 +175,8 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
             batch_size=len(requests)) for rid, r, round, block in zip(request_ids, requests, rounds, blocks)])
 
     def _forward(self, ids: list[str], requests: Sequence[DrafterRequest],
-                 previous: Sequence[RoundOutputs]) -> tuple[mx.array, mx.array, mx.array]:
-        """Drafts ``[R, L-1]`` and the context lengths before and after, for stacked requests.
+                 previous: Sequence[RoundOutputs]) -> tuple[Proposal, mx.array, mx.array]:
+        """Drafts ``[R, L-1]`` (with their q where sampled) and the context lengths before and after, for stacked requests.
 
         Every row drafts at the widest block of the batch (a request's smaller block is
         masked, not cut, so it drafts as alone); blank rows pad the batch when asked.
@@ -208,7 +213,8 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
             hidden = self.drafter.hidden(tokens, ctx, caches, keep=keep, block_lens=block_lens)
             ctx_after = caches[0].length.reshape(-1)[:n]
         if width > 1:
-            drafts = mx.argmax(self.drafter.logits(hidden[:n, 1:]), axis=-1).astype(mx.int32)
+            drafts = propose_drafts(self.drafter, hidden[:n, 1:], anchors[:n], [r.sampler for r in requests],
+                                    [r.block_size for r in requests])
         else:
-            drafts = mx.zeros((n, 0), dtype=mx.int32)
+            drafts = Proposal(mx.zeros((n, 0), dtype=mx.int32), None)
         return drafts, ctx_before, ctx_after

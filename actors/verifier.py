@@ -177,7 +177,8 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         rows = padded_batch(n) if self.pad_batches else n
         queued = time.perf_counter()
         # drafts come at the batch's widest block: a request's smaller block (its params) keeps the shape
-        drafted = [self.drafter.outputs(m.request_id, m.round).drafts for m in rounds]
+        outputs = [self.drafter.outputs(m.request_id, m.round) for m in rounds]
+        drafted = [o.drafts for o in outputs]
         width = max(d.shape[0] for d in drafted) + 1
         blank = mx.zeros((0,), dtype=mx.int32)
         drafts = pad_rows(drafted + [blank] * (rows - n), width - 1)
@@ -189,7 +190,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             out = self.target(tokens, caches, tap_layers=self.tap_layers)
             assert out.taps is not None
             verdict = stacked_verdicts(drafts[:n], out.logits[:n], [b - 1 for b in blocks], [r.params for r in requests],
-                                       [r.sampler for r in requests])
+                                       [r.sampler for r in requests], [o.probs for o in outputs])
             keep = verdict.accepted + 1
             kept = mx.concatenate([keep, mx.zeros((rows - n,), dtype=mx.int32)]) if rows > n else keep
             advance_layers(caches, kept if rows > 1 else kept[0])

@@ -5,12 +5,16 @@ input from the verdict before the host has seen it. Greedy: accept while the dra
 equals the target's argmax. Sampling (lossless, DFLASH.md section 3, argmax proposals
 with a one-hot q): accept draft d_i with probability p_i(d_i); at the first rejection
 draw from p_i with d_i removed and renormalised; after a full accept draw the bonus from
-the last row. Both keep the committed tokens distributed exactly as the target's.
+the last row. Drafts drawn from a distribution q (a DFlash 2 selector at temperature > 0)
+are accepted with probability min(1, p_i(d_i) / q_i(d_i)), and the first rejection draws
+from max(p_i - q_i, 0) renormalised: rejection sampling, of which the one-hot case is the
+special case q_i = onehot(d_i). All keep the committed tokens distributed exactly as the
+target's.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import mlx.core as mx
 
@@ -40,35 +44,53 @@ def greedy_verdict(drafts: mx.array, logits: mx.array) -> Verdict:
     return Verdict(rows.accepted[0], rows.bonus[0], rows.target_tokens[0])
 
 
-def sampled_verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sampler: Sampler) -> Verdict:
+def sampled_verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sampler: Sampler,
+                    draft_probs: mx.array | None = None) -> Verdict:
+    """``draft_probs [n, V]``: the q each draft was drawn from (None: argmax drafts, q one-hot)."""
     probs = probabilities(logits, params)
     n, vocab = drafts.shape[0], probs.shape[-1]
     if n:
         p_of_draft = mx.take_along_axis(probs[:-1], drafts[:, None], axis=-1)[:, 0]
-        accepted = accepted_prefix(sampler.uniform((n,)) < p_of_draft)
+        if draft_probs is None:
+            accepted = accepted_prefix(sampler.uniform((n,)) < p_of_draft)
+        else:
+            q_of_draft = mx.take_along_axis(draft_probs, drafts[:, None], axis=-1)[:, 0]
+            accepted = accepted_prefix(sampler.uniform((n,)) * q_of_draft < p_of_draft)
     else:
         accepted = mx.array(0, dtype=mx.int32)
     padded = mx.concatenate([drafts.astype(mx.int32), mx.array([-1], dtype=mx.int32)])
-    rejected = padded[accepted]  # -1 after a full accept: nothing to remove
-    row = mx.where(mx.arange(vocab) == rejected, 0.0, probs[accepted])
+    if draft_probs is None:
+        rejected = padded[accepted]  # -1 after a full accept: nothing to remove
+        row = mx.where(mx.arange(vocab) == rejected, 0.0, probs[accepted])
+    else:
+        row = _residual(probs[accepted], mx.concatenate([draft_probs, mx.zeros((1, vocab), draft_probs.dtype)])[accepted])
     bonus = sampler.draw(row / row.sum()).astype(mx.int32)
     target_tokens = mx.where(mx.arange(n + 1) < accepted, padded, bonus)
     return Verdict(accepted, bonus, target_tokens)
 
 
-def verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sampler: Sampler) -> Verdict:
+def _residual(p: mx.array, q: mx.array) -> mx.array:
+    """max(p - q, 0), where a rejection draws from; p itself where that is all zero (p <= q
+    everywhere: a rejection there has probability 0, the row just has to stay a distribution)."""
+    row = mx.maximum(p - q, 0.0)
+    return mx.where(row.sum() > 0, row, p)
+
+
+def verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sampler: Sampler,
+            draft_probs: mx.array | None = None) -> Verdict:
     if is_greedy(params):
         return greedy_verdict(drafts, logits)
-    return sampled_verdict(drafts, logits, params, sampler)
+    return sampled_verdict(drafts, logits, params, sampler, draft_probs)
 
 
 def stacked_verdicts(drafts: mx.array, logits: mx.array, n_drafts: list[int], params: list[GenerationParams],
-                     samplers: list[Sampler]) -> Verdict:
+                     samplers: list[Sampler], draft_probs: Sequence[mx.array | None] | None = None) -> Verdict:
     """Verdicts of stacked requests: ``drafts [R, L-1]``, ``logits [R, L, V]``, vectors out.
 
     Row r has ``n_drafts[r]`` real drafts (its own block size); the padding after them is
     never accepted. Greedy rows share one argmax; a sampled row draws alone with its own
     sampler, so it consumes its random stream exactly as when it runs by itself.
+    ``draft_probs``: each row's q ``[>= n_drafts[r], V]`` where its drafts were sampled, else None.
     """
     greedy = greedy_verdict_rows(drafts, logits, mx.array(n_drafts))
     if all(is_greedy(p) for p in params):
@@ -79,7 +101,8 @@ def stacked_verdicts(drafts: mx.array, logits: mx.array, n_drafts: list[int], pa
         if is_greedy(p):
             rows.append(Verdict(greedy.accepted[r], greedy.bonus[r], greedy.target_tokens[r]))
         else:
-            v = sampled_verdict(drafts[r, :n], logits[r, : n + 1], p, sampler)
+            q = draft_probs[r] if draft_probs is not None else None
+            v = sampled_verdict(drafts[r, :n], logits[r, : n + 1], p, sampler, None if q is None else q[:n])
             rows.append(Verdict(v.accepted, v.bonus, mx.pad(v.target_tokens, (0, width - n - 1))))
     return Verdict(*(mx.stack(parts) for parts in zip(*rows)))
 

@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ignore-chat-template", action="store_true", help="feed --prompt as raw text (code to continue)")
     add_model_arguments(parser)
     add_sampling_arguments(parser)
-    parser.add_argument("--draft", help="DFlash drafter folder (z-lab format), random:L, or none for plain decoding "
+    parser.add_argument("--draft", help="DFlash drafter folder (z-lab format, DFlash 1 or 2), random:L (random:L:dflash2: "
+                        "a DFlash 2 one), or none for plain decoding "
                         "(default: the bundled drafter when the model is the default one, else none)")
     parser.add_argument("--block-size", type=int, default=None, help="speculative block (default: the drafter's)")
     parser.add_argument("--mode", choices=sorted(MODES), default="pipelined", help="the engine's round schedule")

@@ -438,8 +438,8 @@ def load_checkpoint(ckpt: Checkpoint, dtype: str = "auto", fuse: bool = True) ->
 
 
 def load_drafter(path: str | Path, target: LoadedModel, fuse: bool = True) -> DFlashDrafter:
-    """Load a z-lab-format drafter folder (or one packed by ``runtime.training.pack``), in the
-    target's compute dtype, bound to it.
+    """Load a z-lab-format drafter folder, DFlash 1 or 2 (or one packed by ``runtime.training.pack``),
+    in the target's compute dtype, bound to it.
 
     ``fuse``: for inference, fewer ops per draft (``DFlashDrafter.fuse_projections``);
     a drafter to train further is loaded with fuse=False.
@@ -454,8 +454,9 @@ def load_drafter(path: str | Path, target: LoadedModel, fuse: bool = True) -> DF
     # a drafter packed in fewer bits to fit a size limit (runtime.training.pack) runs unpacked
     dequantize_layers(tensors, quantized_layers(tensors, config), dtype, folder)
     drafter = DFlashDrafter(args)
-    check_tensors(dict(tree_flatten(drafter.parameters())), tensors, folder)
-    drafter.load_weights([(k, v.astype(dtype)) for k, v in tensors.items()], strict=True)
+    params, names = dict(tree_flatten(drafter.parameters())), drafter.checkpoint_names()
+    check_tensors({stored: params[name] for stored, name in names.items()}, tensors, folder)
+    drafter.load_weights([(names[k], v.astype(dtype)) for k, v in tensors.items()], strict=True)
     mx.eval(drafter.parameters())
     drafter.eval()
     if fuse:

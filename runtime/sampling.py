@@ -85,12 +85,18 @@ def probabilities(logits: mx.array, params: GenerationParams) -> mx.array:
 
 
 class Sampler:
-    """Draws tokens for one request; a seed makes the sequence of draws reproducible."""
+    """Draws tokens for one request; a seed makes the sequence of draws reproducible.
 
-    def __init__(self, params: GenerationParams) -> None:
+    ``drafts=True``: the stream of the drafter's own draws (a DFlash 2 selector at
+    temperature > 0), seeded by the same seed but apart from the verifier's: its chain starts
+    at ``split(key(seed), 3)[2]``, a key the verifier's chain (``split`` in two at every draw)
+    does not produce, so a draft never shares a key with an acceptance test.
+    """
+
+    def __init__(self, params: GenerationParams, drafts: bool = False) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1).item())
-        self._key = mx.random.key(seed)
+        self._key = mx.random.split(mx.random.key(seed), 3)[2] if drafts else mx.random.key(seed)
 
     def next_key(self) -> mx.array:
         self._key, key = mx.random.split(self._key)
@@ -108,3 +114,7 @@ class Sampler:
 
     def uniform(self, shape: tuple[int, ...]) -> mx.array:
         return mx.random.uniform(shape=shape, key=self.next_key())
+
+    def gumbel(self, shape: tuple[int, ...]) -> mx.array:
+        """Gumbel noise: the argmax of ``scores + noise`` is a draw from ``softmax(scores)``."""
+        return mx.random.gumbel(shape=shape, key=self.next_key())

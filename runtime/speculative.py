@@ -23,11 +23,41 @@ from .cache import KVCache, cache_length, trim_caches
 from .errors import RequestError
 from .invariants import RoundAuditor, RoundFacts
 from .models import DecoderModel
-from .models.dflash import DFlashDrafter
+from .models.dflash import DFlashDrafter, Proposal
 from .plain import check_context
 from .sampling import Sampler, check_params, is_greedy
 from .stopping import Emission, TextStream, delivered_tokens
 from .tokenizer import Tokenizer
+
+
+def draft_sampler(drafter: DFlashDrafter, params: GenerationParams) -> Sampler | None:
+    """The sampler of the drafter's own draws for a request: a DFlash 2 selector at temperature > 0
+    samples its path (on a stream apart from the verifier's); else None, drafts are the argmax."""
+    if drafter.selector is None or is_greedy(params):
+        return None
+    return Sampler(params, drafts=True)
+
+
+def propose_drafts(drafter: DFlashDrafter, hidden: mx.array, anchors: mx.array, samplers: Sequence[Sampler | None],
+                   blocks: Sequence[int]) -> Proposal:
+    """The drafts of stacked blocks from the drafter's rows 1.. (``hidden [R, n, H]``, post-norm).
+
+    The one place drafts come from, for the engine's drafter actor and this module's loop.
+    Row r < len(samplers) belongs to a request whose block is ``blocks[r]``; a row with a
+    sampler draws its path (DFlash 2 at temperature > 0) from noise of its own block's
+    shape, so it drafts the same in any batch; other rows (and blank padding) are greedy.
+    """
+    if all(s is None for s in samplers):
+        return drafter.propose(hidden, anchors)
+    assert drafter.selector is not None
+    rows, n = hidden.shape[:2]
+    k = drafter.selector.top_k
+    noise = [mx.pad(s.gumbel((b - 1, k)), [(0, n - b + 1), (0, 0)]) if s is not None else mx.zeros((n, k))
+             for s, b in zip(samplers, blocks)]
+    noise += [mx.zeros((n, k))] * (rows - len(noise))
+    temperatures = [s.params.temperature if s is not None else 1.0 for s in samplers]
+    temperatures += [1.0] * (rows - len(temperatures))
+    return drafter.propose(hidden, anchors, mx.array(temperatures, dtype=mx.float32), mx.stack(noise))
 
 
 def block_size_for(drafter: DFlashDrafter, params: GenerationParams) -> int:
@@ -70,6 +100,7 @@ class SpeculativeDecoder:
     def __init__(self, target: DecoderModel, drafter: DFlashDrafter, params: GenerationParams) -> None:
         self.target, self.drafter, self.params = target, drafter, params
         self.sampler = Sampler(params)
+        self.draft_sampler = draft_sampler(drafter, params)
         self.block = block_size_for(drafter, params)
         self.auditor: RoundAuditor | None = None
 
@@ -84,19 +115,20 @@ class SpeculativeDecoder:
         self.auditor = RoundAuditor(len(prompt_ids), len(self.drafter.tap_layers), self.target.args.hidden_size)
         return state, token
 
-    def draft(self, state: RequestState, block: int) -> mx.array:
-        """``block-1`` drafted tokens; the pending context enters the drafter cache."""
+    def draft(self, state: RequestState, block: int) -> Proposal:
+        """``block-1`` drafted tokens (and their q where sampled); the pending context enters the drafter cache."""
         tokens = mx.array([[state.anchor] + [self.drafter.args.mask_token_id] * (block - 1)])
         hidden = self.drafter.hidden(tokens, state.pending_ctx, state.drafter_cache)
         if block == 1:
-            return mx.zeros((0,), dtype=mx.int32)
-        return mx.argmax(self.drafter.logits(hidden[:, 1:]), axis=-1)[0].astype(mx.int32)
+            return Proposal(mx.zeros((0,), dtype=mx.int32), None)
+        drafts = propose_drafts(self.drafter, hidden[:, 1:], mx.array([state.anchor]), [self.draft_sampler], [block])
+        return Proposal(drafts.tokens[0], None if drafts.probs is None else drafts.probs[0])
 
-    def verify(self, state: RequestState, drafts: mx.array) -> tuple[Verdict, mx.array]:
-        tokens = mx.concatenate([mx.array([state.anchor], dtype=mx.int32), drafts])[None]
+    def verify(self, state: RequestState, proposal: Proposal) -> tuple[Verdict, mx.array]:
+        tokens = mx.concatenate([mx.array([state.anchor], dtype=mx.int32), proposal.tokens])[None]
         out = self.target(tokens, state.target_cache, tap_layers=self.drafter.tap_layers)
         assert out.taps is not None
-        return verdict(drafts, out.logits[0], self.params, self.sampler), out.taps
+        return verdict(proposal.tokens, out.logits[0], self.params, self.sampler, proposal.probs), out.taps
 
     def round(self, state: RequestState, index: int) -> RoundOutcome:
         """One sequential round at the whole block, even near max_tokens (the stream trims past it),
@@ -104,10 +136,11 @@ class SpeculativeDecoder:
         block = self.block
         kv_before, ctx_before, committed_before = state.target_kv, state.drafter_ctx, state.committed
         t0 = time.perf_counter()
-        drafts = self.draft(state, block)
+        proposal = self.draft(state, block)
+        drafts = proposal.tokens
         mx.eval(drafts)
         t1 = time.perf_counter()
-        result, taps = self.verify(state, drafts)
+        result, taps = self.verify(state, proposal)
         mx.eval(result.accepted, result.bonus, result.target_tokens, taps)
         t2 = time.perf_counter()
         a = int(result.accepted.item())

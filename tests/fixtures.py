@@ -290,3 +290,34 @@ def drafter_folder(folder: Path, config: dict[str, Any], weights: dict[str, np.n
     mx.save_safetensors(str(folder / "model.safetensors"),
                         {k: mx.array(v).astype(mx.bfloat16) for k, v in weights.items()})
     return folder
+
+
+def dflash2_config(target: dict[str, Any], layers: int = 2, block_size: int = 8, kernel: int = 3, group: int = 16,
+                   rank: int = 8, top_k: int = 6, **kwargs: Any) -> dict[str, Any]:
+    """A z-lab-format DFlash 2 drafter config for ``target``: DFlash 1's, plus the convolution and selector sizes."""
+    config = drafter_config(target, layers=layers, block_size=block_size, **kwargs)
+    config["architectures"] = ["DFlash2DraftModel"]
+    config["dflash_config"].update(conv_kernel_size=kernel, conv_group_size=group, selector_rank=rank,
+                                   selector_top_k=top_k)
+    return config
+
+
+def dflash2_weights(config: dict[str, Any], seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
+    """DFlash 1's weights plus each layer's two convolutions and the selector, under z-lab's names
+    (the codebooks without ``.weight``)."""
+    rng = np.random.default_rng(seed + 1)
+    h, v, dflash = config["hidden_size"], config["vocab_size"], config["dflash_config"]
+    kernel, groups, rank = dflash["conv_kernel_size"], h // dflash["conv_group_size"], dflash["selector_rank"]
+
+    def rand(*shape: int, std: float = scale) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    w = drafter_weights(config, seed=seed, scale=scale)
+    for i in range(config["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            w[f"layers.{i}.{conv}.base_kernel"] = rand(2, kernel, h, std=0.3)
+            w[f"layers.{i}.{conv}.kernel_projection.weight"] = rand(2 * kernel * groups, h)
+    w["candidate_selector.predecessor_codebook"] = rand(v, rank, std=0.5)
+    w["candidate_selector.successor_codebook"] = rand(v, rank, std=0.5)
+    w["candidate_selector.hidden_projection.weight"] = rand(rank, h, std=0.3)
+    return w

@@ -14,7 +14,7 @@ from runtime.errors import RequestError
 from runtime.invariants import (AcceptanceViolation, LagViolation, LayoutViolation, RollbackViolation,
                                 RoundAuditor, TrimViolation)
 from runtime.loading import LoadedModel
-from runtime.models.dflash import DFlashDrafter
+from runtime.models.dflash import DFlashDrafter, Proposal
 from runtime.plain import generate_plain, run_to_end
 from runtime.speculative import RequestState, SpeculativeDecoder, SpeculativeStats, generate_speculative
 from runtime.stopping import TextStream
@@ -47,13 +47,13 @@ class NoisyOracleDecoder(SpeculativeDecoder):
         super().__init__(*args, **kwargs)
         self.continuation, self.corruption, self.rng = continuation, corruption, random.Random(seed)
 
-    def draft(self, state: RequestState, block: int) -> mx.array:
+    def draft(self, state: RequestState, block: int) -> Proposal:
         super().draft(state, block)
         start = state.committed - self.prompt_len
         want = self.continuation[start : start + block - 1]
         drafts = [t if self.rng.random() > self.corruption else (t + 1) % 320 for t in want]
         drafts += [7] * (block - 1 - len(drafts))
-        return mx.array(drafts, dtype=mx.int32)
+        return Proposal(mx.array(drafts, dtype=mx.int32), None)
 
 
 def run_decoder(decoder: SpeculativeDecoder, target: LoadedModel, prompt: list[int], params: GenerationParams) -> tuple[list[int], list[int]]:

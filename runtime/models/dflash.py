@@ -11,16 +11,23 @@ Semantics follow z-lab's ``dflash==0.1.0`` (see tests/reference/DFLASH_REFERENCE
 positions are absolute (context row j at its token's position, block row i at
 ``anchor_pos + i``); full-attention layers have no mask at all; sliding layers (or every
 layer when ``is_causal``) are causal, with a window only when ``use_sliding_window``.
+
+DFlash 2 (``DFlash2DraftModel``, z-lab's ``dflash/model_mlx.py``) is the same stack plus, in
+every layer, a grouped dynamic causal convolution along the block around attention and
+around the MLP (``ConvDrafterLayer``), and a ``CandidateSelector`` that drafts the block as
+the best left-to-right path through each position's top-k logits, scored by the logit plus
+a low-rank edge with the previous chosen token (the anchor before the first).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..cache import DeviceKVCache, KVCache, advance_layers, bucketed, cache_arrays, traced_caches
 from ..errors import CheckpointError, UnsupportedArchitectureError
@@ -29,6 +36,10 @@ from .base import MLP, DecoderModel, RoPE, TransposedLinear, concatenated
 from .steps import CompiledSteps, default_compile_steps, traceable
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_2 = "DFlash2DraftModel"
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# z-lab stores DFlash 2's codebooks without the ``.weight`` of their Embedding modules
+UNSUFFIXED_TENSORS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 # (b, L): the drafter's layers run on rows [b*L, H], so its projections are 2D matmuls
 Rows = tuple[int, int]
@@ -55,6 +66,12 @@ class DrafterArgs:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash 2 (all 0 for DFlash 1): each layer's two convolutions, and the candidate selector
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    vocab_size: int = 0  # rows of the selector's codebooks: the target's vocabulary
 
 
 def default_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
@@ -68,10 +85,10 @@ def default_target_layer_ids(num_target_layers: int, num_layers: int) -> list[in
 def drafter_args(config: dict[str, Any]) -> DrafterArgs:
     """Read a z-lab config.json: DFlash fields from ``dflash_config`` first, then top level."""
     architectures = config.get("architectures") or []
-    if ARCHITECTURE not in architectures:
+    if ARCHITECTURE not in architectures and ARCHITECTURE_2 not in architectures:
         raise UnsupportedArchitectureError(
             f"drafter architecture {architectures!r} is not supported: this runtime reads "
-            f"{ARCHITECTURE!r} (DFlash v1) checkpoints"
+            f"{ARCHITECTURE!r} (DFlash 1) and {ARCHITECTURE_2!r} (DFlash 2) checkpoints"
         )
     dflash = config.get("dflash_config") or {}
 
@@ -110,9 +127,26 @@ def drafter_args(config: dict[str, Any]) -> DrafterArgs:
             input_embedding_scale=float(field("input_embedding_scale", 1.0)),
             output_multiplier=float(field("output_multiplier", 1.0)),
             final_logit_softcapping=dflash.get("final_logit_softcapping", config.get("final_logit_softcapping")),
+            **(dflash2_fields(config, field) if ARCHITECTURE_2 in architectures else {}),
         )
     except KeyError as exc:
         raise CheckpointError(f"drafter config.json lacks the field {exc.args[0]!r}") from None
+
+
+def dflash2_fields(config: dict[str, Any], field: Callable[[str], Any]) -> dict[str, int]:
+    """A DFlash 2 config's convolution and selector sizes (``dflash_config`` first), checked."""
+    values = {name: int(field(name)) for name in DFLASH2_FIELDS}
+    values["vocab_size"] = int(config["vocab_size"])
+    bad = [name for name, value in values.items() if value < 1]
+    if bad:
+        raise CheckpointError(f"drafter config.json: {bad[0]} = {values[bad[0]]}, a DFlash 2 drafter needs at least 1")
+    if config["hidden_size"] % values["conv_group_size"]:
+        raise CheckpointError(f"drafter config.json: conv_group_size {values['conv_group_size']} does not divide "
+                              f"hidden_size {config['hidden_size']}")
+    if values["selector_top_k"] > values["vocab_size"]:
+        raise CheckpointError(f"drafter config.json: selector_top_k {values['selector_top_k']} exceeds "
+                              f"vocab_size {values['vocab_size']}")
+    return values
 
 
 def block_mask(ctx_len: int | mx.array, block_len: int, causal: bool, window: int | None,
@@ -289,24 +323,140 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def attend_with(self, h: mx.array, attend: Callable[[mx.array], mx.array]) -> mx.array:
-        """The layer with ``attend`` as its attention (it gets the normed rows)."""
+    def attend_with(self, h: mx.array, shape: Rows, attend: Callable[[mx.array], mx.array]) -> mx.array:
+        """The layer with ``attend`` as its attention (it gets the normed rows ``[b*L, H]`` of ``shape``)."""
         h = h + attend(self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def __call__(self, h: mx.array, shape: Rows, cache: KVCache | DeviceKVCache, mask: mx.array | None) -> mx.array:
-        return self.attend_with(h, lambda x: self.self_attn(x, shape, cache, mask))
+        return self.attend_with(h, shape, lambda x: self.self_attn(x, shape, cache, mask))
 
     def forward_blocks(self, h: mx.array, shape: Rows, h_ctx: mx.array, ctx_shape: Rows, anchors: mx.array,
                        mask: mx.array) -> mx.array:
         """Training: many blocks over one whole context (positions from 0), kept apart by ``mask``."""
         attn = self.self_attn
-        return self.attend_with(h, lambda x: attn.attend_blocks(x, shape, anchors, attn.context_kv(h_ctx, ctx_shape, 0), mask))
+        return self.attend_with(h, shape, lambda x: attn.attend_blocks(x, shape, anchors, attn.context_kv(h_ctx, ctx_shape, 0), mask))
 
     def fuse_projections(self) -> None:
         self.self_attn.fuse_projections()
         self.mlp.fuse_projections()
         self.mlp.down_proj = TransposedLinear.of(self.mlp.down_proj)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash 2's causal convolution along a block, one kernel per channel group and row.
+
+    Row t's output is ``sum_o (base[o] + dynamic[t, o]) * x[t - o]`` (zero before the
+    block's first row): ``base`` a learned kernel per channel, ``dynamic`` one weight per
+    group computed from the rows themselves. ``prepare`` convolves the sublayer's input
+    with ``base_kernel[0]`` and the first half of the rows' dynamic kernels; ``finish``
+    the sublayer's output with ``base_kernel[1]`` and the second half.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = mx.zeros((2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def prepare(self, x: mx.array, shape: Rows) -> tuple[mx.array, mx.array]:
+        """The convolved rows ``[b*L, H]`` and the dynamic kernels ``finish`` takes."""
+        b, length = shape
+        dynamic = self.kernel_projection(x).reshape(b, length, 2, self.kernel_size, self.groups)
+        return self._convolve(x, shape, 0, dynamic[:, :, 0]), dynamic[:, :, 1]
+
+    def finish(self, x: mx.array, dynamic: mx.array, shape: Rows) -> mx.array:
+        return self._convolve(x, shape, 1, dynamic)
+
+    def _convolve(self, x: mx.array, shape: Rows, half: int, dynamic: mx.array) -> mx.array:
+        """``x [b*L, H]`` convolved with ``base_kernel[half]`` plus ``dynamic [b, L, K, groups]``."""
+        b, length = shape
+        k, hidden = self.kernel_size, x.shape[-1]
+        padded = mx.pad(x.reshape(b, length, hidden), [(0, 0), (k - 1, 0), (0, 0)])
+        shifted = mx.stack([padded[:, k - 1 - o : k - 1 - o + length] for o in range(k)], axis=2)  # [b, L, K, H]: x[t-o]
+        base = self.base_kernel[half].reshape(1, 1, k, self.groups, self.group_size)
+        weights = (base + dynamic[..., None]).reshape(b, length, k, hidden)
+        return (weights * shifted).sum(axis=2).reshape(b * length, hidden)
+
+    def fuse_projections(self) -> None:
+        self.kernel_projection = TransposedLinear.of(self.kernel_projection)
+
+
+class ConvDrafterLayer(DrafterLayer):
+    """A DFlash 2 layer: a convolution along the block before and after attention, and the MLP."""
+
+    def __init__(self, args: DrafterArgs, causal: bool, sliding: bool) -> None:
+        super().__init__(args, causal, sliding)
+        self.attention_conv = GroupedDynamicCausalConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+        self.mlp_conv = GroupedDynamicCausalConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+
+    def attend_with(self, h: mx.array, shape: Rows, attend: Callable[[mx.array], mx.array]) -> mx.array:
+        x, kernel = self.attention_conv.prepare(self.input_layernorm(h), shape)
+        h = h + self.attention_conv.finish(attend(x), kernel, shape)
+        x, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h), shape)
+        return h + self.mlp_conv.finish(self.mlp(x), kernel, shape)
+
+    def fuse_projections(self) -> None:
+        super().fuse_projections()
+        self.attention_conv.fuse_projections()
+        self.mlp_conv.fuse_projections()
+
+
+class Selection(NamedTuple):
+    path: mx.array  # [R, n]: the chosen token of each position
+    candidates: mx.array  # [R, n, k]: each position's top-k tokens (in no particular order)
+    probs: mx.array | None  # [R, n, k] float32: the distribution each position was drawn from (None: greedy)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's drafts: a left-to-right path through each block position's top-k candidates.
+
+    Candidate c at position t scores ``logit(c) + <pred(prev), proj(h_t) * succ(c)>``, with
+    ``prev`` the token chosen at t-1 (the block's anchor at t = 0). Greedy takes the best
+    score; sampling draws from ``softmax(scores / T)`` over the k candidates.
+    """
+
+    def __init__(self, args: DrafterArgs) -> None:
+        super().__init__()
+        self.top_k = args.selector_top_k
+        self.predecessor_codebook = nn.Embedding(args.vocab_size, args.selector_rank)
+        self.successor_codebook = nn.Embedding(args.vocab_size, args.selector_rank)
+        self.hidden_projection = nn.Linear(args.hidden_size, args.selector_rank, bias=False)
+
+    def select(self, hidden: mx.array, logits: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
+               noise: mx.array | None = None) -> Selection:
+        """The path of blocks' positions ``hidden [R, n, H]`` (post-norm), ``logits [R, n, V]``.
+
+        Greedy without ``temperatures``; with ``temperatures [R]`` and Gumbel ``noise
+        [R, n, k]``, position t is the argmax of ``scores / T + noise[t]``: a draw from
+        ``softmax(scores / T)``, which is returned per position.
+        """
+        candidates = mx.argpartition(logits, -self.top_k, axis=-1)[..., -self.top_k:]
+        unary = mx.take_along_axis(logits, candidates, axis=-1)
+        successors = self.hidden_projection(hidden)[:, :, None] * self.successor_codebook(candidates)  # [R, n, k, r]
+        # edge scores from each candidate at t-1 to each at t: [R, n-1, k, k]
+        edges = self.predecessor_codebook(candidates[:, :-1]) @ successors[:, 1:].swapaxes(-1, -2)
+        scores = unary[:, 0] + (successors[:, 0] @ self.predecessor_codebook(anchors)[..., None])[..., 0]
+        picks, probs = [], []
+        for t in range(hidden.shape[1]):
+            if t:
+                scores = unary[:, t] + mx.take_along_axis(edges[:, t - 1], picks[-1][:, None, None], axis=1)[:, 0]
+            if temperatures is None or noise is None:
+                picks.append(mx.argmax(scores, axis=-1))
+                continue
+            scaled = scores.astype(mx.float32) / temperatures[:, None]
+            probs.append(mx.softmax(scaled, axis=-1))
+            picks.append(mx.argmax(scaled + noise[:, t], axis=-1))
+        path = mx.take_along_axis(candidates, mx.stack(picks, axis=1)[..., None], axis=-1)[..., 0]
+        return Selection(path, candidates, mx.stack(probs, axis=1) if probs else None)
+
+
+class Proposal(NamedTuple):
+    """A block's drafts, and the distribution each was drawn from where it was sampled."""
+
+    tokens: mx.array  # [R, n] int32
+    probs: mx.array | None  # [R, n, V]: q over the vocabulary (zero outside the selector's top-k); None: argmax, q one-hot
 
 
 class DFlashDrafter(nn.Module):
@@ -316,8 +466,11 @@ class DFlashDrafter(nn.Module):
         n_taps = len(args.target_layer_ids)
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DrafterLayer(args, c, s) for c, s in zip(args.causal_layers, args.sliding_layers)]
+        layer = ConvDrafterLayer if args.conv_kernel_size else DrafterLayer
+        self.layers = [layer(args, c, s) for c, s in zip(args.causal_layers, args.sliding_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.selector_top_k:
+            self.candidate_selector = CandidateSelector(args)
         # the target's embedding and head, borrowed by bind(); plain callables so they are
         # not parameters of the drafter (never saved with it, never trained)
         self._embed: Callable[[mx.array], mx.array] | None = None
@@ -332,6 +485,11 @@ class DFlashDrafter(nn.Module):
     @property
     def tap_layers(self) -> tuple[int, ...]:
         return tuple(self.args.target_layer_ids)
+
+    @property
+    def selector(self) -> CandidateSelector | None:
+        """DFlash 2's candidate selector (None: DFlash 1, whose drafts are the argmax)."""
+        return self.get("candidate_selector")
 
     def bind(self, target: DecoderModel) -> "DFlashDrafter":
         """Borrow the target's embedding and LM head, refusing a pair that cannot work."""
@@ -387,7 +545,7 @@ class DFlashDrafter(nn.Module):
         for layer, layer_cache in zip(self.layers, cache):
             attn = layer.self_attn
             if attn.uses_kernel(layer_cache, shape[1], h.dtype):
-                h = layer.attend_with(h, lambda x: attn.attend_cache(x, shape, layer_cache, seen))  # type: ignore[arg-type]
+                h = layer.attend_with(h, shape, lambda x: attn.attend_cache(x, shape, layer_cache, seen))  # type: ignore[arg-type]
                 continue
             kind = (attn.causal, attn.window)
             if kind not in masks:
@@ -418,6 +576,8 @@ class DFlashDrafter(nn.Module):
         see (runtime.training.batches.training_mask). The layers' own attention runs, so
         a block at anchor a gets what ``hidden`` gives with context ``taps[:a]``.
         """
+        if self.args.conv_kernel_size or self.selector is not None:
+            raise UnsupportedArchitectureError("training DFlash 2 drafters (convolutions, candidate selector) is not supported")
         if any(self.args.causal_layers) or any(self.args.sliding_layers):
             raise UnsupportedArchitectureError(
                 "training supports full-attention drafter layers only (no causal or sliding layers): "
@@ -459,6 +619,30 @@ class DFlashDrafter(nn.Module):
         """Draft logits for block rows 1.. (row 0, the anchor, predicts nothing)."""
         return self.logits(self.hidden(block, ctx_features, cache)[:, 1:])
 
+    def propose(self, hidden: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
+                noise: mx.array | None = None) -> Proposal:
+        """The drafts of blocks whose rows 1.. have the post-norm ``hidden [R, n, H]``.
+
+        DFlash 1: the argmax of each row. DFlash 2: the selector's path after ``anchors
+        [R]``, greedy, or drawn with ``temperatures [R]`` and Gumbel ``noise [R, n, k]``
+        (a row at temperature 1 with zero noise is greedy), with each draw's q.
+        """
+        logits = self.logits(hidden)
+        selector = self.selector
+        if selector is None:
+            return Proposal(mx.argmax(logits, axis=-1).astype(mx.int32), None)
+        path, candidates, q = selector.select(hidden, logits, anchors, temperatures, noise)
+        probs = None if q is None else mx.put_along_axis(mx.zeros(logits.shape, dtype=q.dtype), candidates, q, axis=-1)
+        return Proposal(path.astype(mx.int32), probs)
+
+    def checkpoint_names(self) -> dict[str, str]:
+        """Each parameter's name in a z-lab checkpoint -> its name here (they differ for DFlash 2's codebooks)."""
+        names = {}
+        for name, _ in tree_flatten(self.parameters()):
+            stem = name.removesuffix(".weight")
+            names[stem if stem in UNSUFFIXED_TENSORS else name] = name
+        return names
+
 
 def check_compatible(args: DrafterArgs, target: DecoderModel) -> None:
     t = target.args
@@ -474,6 +658,8 @@ def check_compatible(args: DrafterArgs, target: DecoderModel) -> None:
         problems.append(f"mask token id {args.mask_token_id} outside the target's embedding (0..{t.vocab_size - 1})")
     if args.block_size < 2:
         problems.append(f"block size {args.block_size} < 2 drafts nothing")
+    if args.selector_top_k and args.vocab_size != t.vocab_size:
+        problems.append(f"selector codebooks of {args.vocab_size} tokens, the target's vocabulary has {t.vocab_size}")
     if problems:
         raise CheckpointError(
             "this drafter does not fit this target: " + "; ".join(problems)
