@@ -46,20 +46,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
-    args = parse_args(argv)
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """The engine the options name, not yet started (the app's lifespan starts it)."""
     pad = {"auto": None, "on": True, "off": False}[args.pad_batches]
-    engine = Engine.load(args.model, args.draft, mode=args.mode, log=args.log, dtype=args.dtype, pad_batches=pad)
+    return Engine.load(args.model, args.draft, mode=args.mode, log=args.log, dtype=args.dtype, pad_batches=pad)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     hosts = args.allowed_hosts if args.allowed_hosts is not None else default_allowed_hosts(args.host)
-    settings = ServerSettings(
+    return ServerSettings(
         model_name=args.served_model_name, max_concurrent=args.max_concurrent, max_queue=args.max_queue,
         block_size=args.block_size, default_max_tokens=args.default_max_tokens, drain_timeout_s=args.drain_timeout,
         queue_timeout_s=args.queue_timeout, max_body_bytes=args.max_body_bytes, api_key=args.api_key or None,
         allowed_hosts=None if hosts == ["*"] else hosts, enable_docs=args.enable_docs,
         enable_internal_stats=args.enable_internal_stats)
-    app = create_app(engine, settings)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parse_args(argv)
+    app = create_app(engine_from_args(args), settings_from_args(args))
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:

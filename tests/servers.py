@@ -12,11 +12,16 @@ import httpx
 import uvicorn
 
 
+def free_port() -> int:
+    """A loopback port free now (the server that takes it binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ServerThread:
     def __init__(self, app: Any) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.loop: asyncio.AbstractEventLoop | None = None

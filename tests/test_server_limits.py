@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from runtime.loading import LoadedModel
 from runtime.models.dflash import DFlashDrafter
 from runtime.server import ServerSettings, create_app
 
-from .servers import HealthWatch, ServerThread, metric
+from .servers import HealthWatch, ServerThread, free_port, metric
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox 3"
@@ -184,19 +183,13 @@ def test_a_queue_wait_past_its_limit_gets_503_with_retry_after(tiny_llama: Loade
 # ------------------------------------------------------------------ shutdown of a real server process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServeProcess:
     """``python -m runtime.serve`` on the default model and drafter, in a process of its own (signals are real).
 
     The real model decodes slowly enough on the CPU (tens of tokens/s) that a stream outlasts a short drain."""
 
     def __init__(self, *args: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "runtime.serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(command, cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL,
