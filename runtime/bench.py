@@ -43,12 +43,14 @@ from protocol import GenerationParams, TokenEvent
 from .blas import blas_in_use
 from .cli import add_model_arguments, new_parser, print_json, run_cli
 from .defaults import default_model_path
-from .drafters import resolve_drafter
+from .drafters import parse_random_spec, random_drafter, resolve_drafter
 from .engine import MODES, Engine
 from .errors import RequestError
 from .loading import LoadedModel, load_target
 from .models.dflash import DFlashDrafter
+from .oracle import OracleDrafter
 from .plain import GenerationResult, generate_plain, run_to_end
+from .random_targets import greedy_successor
 from .speculative import SpeculativeStats, block_size_for, generate_speculative
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "bench_prompts.jsonl"
@@ -299,6 +301,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report['prompts']} prompts, max_tokens {report['max_tokens']}, block {report.get('block_size', '-')}, "
           f"engine concurrency {report['concurrency']}, "
           f"load {report.get('load_s', 0):.1f} s")
+    if report.get("oracle_tau") is not None:
+        print(f"ORACLE acceptance (a measuring instrument, runtime.oracle): drafts fixed to reach tau {report['oracle_tau']:g}")
     print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'= plain':>7}")
     plain_speed = report["plain"]["tokens_per_s"] or 1.0
     names = [("plain", "plain"), ("reference", "reference")] + [(m, "dflash" if m == "pipelined" else m) for m in MODES]
@@ -319,6 +323,13 @@ def print_table(report: dict[str, Any]) -> None:
                 print(f"first token off plain greedy ({mode}): median {row['median']}; per prompt {shown}")
 
 
+def oracle_drafter(target: LoadedModel, spec: str, tau: float, block_size: int) -> OracleDrafter:
+    """A random:L drafter whose rounds accept tau - 1 drafts on average, on a random target."""
+    layers, dflash2 = parse_random_spec(spec)
+    drafter = random_drafter(target, layers, dflash2, block_size=block_size, drafter_class=OracleDrafter)
+    return drafter.aim(greedy_successor(target.config), tau)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = new_parser("python -m runtime.bench", __doc__)
     add_model_arguments(parser)
@@ -333,6 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=1,
                         help="the engine modes run this many prompts at once (their rounds batched into shared forwards); "
                              "plain and reference stay one at a time")
+    parser.add_argument("--oracle-tau", type=float, default=None,
+                        help="a measuring instrument, never a default: on a random:NAME target, every round accepts a "
+                             "fixed number of drafts (tau - 1 on average) from a random:L drafter (runtime.oracle)")
     parser.add_argument("--no-engine", action="store_true",
                         help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")
     return parser.parse_args(argv)
@@ -345,9 +359,12 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     target = load_target(args.model or default_model_path(), dtype=args.dtype)
     load_s = time.perf_counter() - started
-    drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
+    if args.oracle_tau is not None:
+        drafter = oracle_drafter(target, args.draft or "random:5", args.oracle_tau, args.block_size or 16)
+    else:
+        drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
-    report = {"load_s": round(load_s, 2), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log,
+    report = {"load_s": round(load_s, 2), "oracle_tau": args.oracle_tau, **bench(target, drafter, read_prompts(args.prompts, target), params, args.log,
                                                    not args.no_engine, args.repeat, args.concurrency)}
     print_json(report) if args.json else print_table(report)
 

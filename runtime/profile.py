@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import anyio
 import mlx.core as mx
+from tqdm import tqdm
 
 from protocol import GenerationParams
 
@@ -154,7 +155,7 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
 
     def draft() -> Sequence[mx.array]:
         hidden = drafter.hidden(mx.concatenate([anchor, mask_ids])[None], taps, drafter_cache, keep=keep)
-        return [mx.argmax(drafter.logits(hidden[:, 1:]), axis=-1).astype(mx.int32)]
+        return [drafter.propose(hidden[:, 1:], anchor).tokens]  # DFlash 2: the selector's greedy path
 
     def verify(drafts: mx.array) -> Sequence[mx.array]:
         result = model(mx.concatenate([anchor, drafts.reshape(-1)])[None], target_cache, tap_layers=drafter.tap_layers)
@@ -209,8 +210,10 @@ def chained(step: Step, caches: Sequence[DeviceKVCache], length: int, reps: int,
     return {"host_ms": _ms(host), "per_step_ms": _ms(per_step)}
 
 
-def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int, block: int, top: int) -> dict[str, Any]:
-    """One request per mode under cProfile (after a warm-up run): tokens/s and the top functions."""
+def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int, block: int, top: int,
+                   done: Callable[[], Any] = lambda: None) -> dict[str, Any]:
+    """One request per mode under cProfile (after a warm-up run): tokens/s and the top functions;
+    ``done()`` after each mode."""
     ids = prompt_ids(target, 64)
     params = GenerationParams(max_tokens=max_tokens, block_size=block)
     report = {}
@@ -229,13 +232,15 @@ def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int,
             "top_ms_per_round": [(f"{fn[0].split('/')[-1]}:{fn[1]}:{fn[2]}", round(1e3 * v[2] / rounds, 3), v[1])
                                  for fn, v in listed],
         }
+        done()
     return report
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = new_parser("python -m runtime.profile", __doc__)
     add_model_arguments(parser)
-    parser.add_argument("--draft", default="random:5", help="drafter folder or random:L (default random:5)")
+    parser.add_argument("--draft", default="random:5",
+                        help="drafter folder, random:L or random:L:dflash2 (a DFlash 2 one) (default random:5)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--context", type=int, default=256, help="tokens already in the caches")
     parser.add_argument("--reps", type=int, default=20)
@@ -249,12 +254,16 @@ def main(argv: list[str] | None = None) -> None:
     drafter = resolve_drafter(args.draft, target, block_size=args.block_size)
     report: dict[str, Any] = {"device": str(mx.default_device()), "dtype": target.compute_dtype}
     settings = {"auto": [default_compile_steps()], "on": [True], "off": [False], "both": [False, True]}[args.compile]
-    for compiled in settings:
-        target.model.compile_steps = drafter.compile_steps = compiled
-        run: dict[str, Any] = {"parts": round_parts(target, drafter, args.context, args.block_size, args.reps)}
-        if not args.no_engine:
-            run["engine"] = engine_profile(target, drafter, args.max_tokens, args.block_size, args.top)
-        report["compiled" if compiled else "eager"] = run
+    steps = len(settings) * (1 + (0 if args.no_engine else len(MODES)))
+    # on a terminal: a bar over the parts and engine modes of each setting (minutes on a fresh GPU)
+    with tqdm(total=steps, desc="profile", unit="step", disable=None, leave=False) as bar:
+        for compiled in settings:
+            target.model.compile_steps = drafter.compile_steps = compiled
+            run: dict[str, Any] = {"parts": round_parts(target, drafter, args.context, args.block_size, args.reps)}
+            bar.update()
+            if not args.no_engine:
+                run["engine"] = engine_profile(target, drafter, args.max_tokens, args.block_size, args.top, bar.update)
+            report["compiled" if compiled else "eager"] = run
     print_json(report)
 
 
