@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from protocol import (ActorMessage, Admit, Failed, FinishRecord, Prefilled, RoundAck, RoundRecord,
+from protocol import (ActorMessage, Admit, Cancelled, Failed, FinishRecord, Prefilled, RoundAck, RoundRecord,
                       TokenEvent, Usage, Verified)
 from runtime.invariants import InvariantError, RoundAuditor, RoundFacts, recorded_facts
 from runtime.sampling import is_greedy
@@ -211,7 +211,7 @@ class Committer(Actor):
     async def _finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None) -> None:
         discarded = self._rounds_in_flight(request_id, request)
         for inbox in self.acks:
-            await inbox.send(RoundAck(request_id=request_id, round=request.rounds, finished=True))
+            await inbox.send(Cancelled(request_id=request_id))
         self._log_finish(request_id, request, reason, error, discarded)
         last = TokenEvent(request_id=request_id, token_ids=[], text="", finish_reason=reason,
                           usage=self._usage(request), error=error)

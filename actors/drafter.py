@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import mlx.core as mx
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from protocol import ActorMessage, Admit, Drafted, RoundAck, VerdictQueued
+from protocol import ActorMessage, Admit, Cancelled, Drafted, RoundAck, VerdictQueued
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
 from runtime.cache import DeviceKVCache, KeptStack, restored_on_failure
 from runtime.models.dflash import DFlashDrafter, Proposal
@@ -111,7 +111,9 @@ class Drafter(DeviceStateOwner[DrafterRequest]):
         request = self.requests.get(message.request_id)
         if request is None:
             return  # finished or cancelled: late messages about it are moot
-        if isinstance(message, VerdictQueued):
+        if isinstance(message, Cancelled):
+            self.forget(message.request_id)
+        elif isinstance(message, VerdictQueued):
             request.verdict_queued = message.round
         elif isinstance(message, RoundAck):
             if message.finished:

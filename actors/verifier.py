@@ -26,6 +26,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from protocol import (
     ActorMessage,
     Admit,
+    Cancelled,
     Drafted,
     GenerationParams,
     Prefilled,
@@ -114,6 +115,8 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         elif isinstance(message, Drafted):
             if message.request_id in self.requests:
                 self._drafted[message.request_id] = message
+        elif isinstance(message, Cancelled):
+            self.forget(message.request_id)  # also a request admitted but not prefilled yet
         elif isinstance(message, RoundAck):
             self._acknowledged(message)
 

@@ -47,14 +47,20 @@ class VerdictQueued(Message, tag="verdict_queued"):
     round: int
 
 
-class Verified(Drafted, tag="verified", kw_only=True):
-    """Round ``round`` is queued end to end (verifier -> committer)."""
+class Verified(Message, tag="verified"):
+    """Round ``round`` is queued end to end (verifier -> committer): its drafting's facts, and when
+    its verify was queued."""
 
+    round: int
+    block_size: int
+    speculative: bool
+    draft_queued_at: float
     verify_queued_at: float
+    batch_size: int = 1
 
 
 class RoundAck(Message, tag="ack"):
-    """The committer has checked and streamed round ``round`` (-1: the prefill).
+    """The committer has checked and streamed round ``round`` (-1: the prefill; an early end is Cancelled).
 
     It carries what the host now knows for certain, so owners can tighten their caches.
     """
@@ -64,6 +70,11 @@ class RoundAck(Message, tag="ack"):
     target_kv: int = 0
     drafter_ctx: int = 0
     generated: int = 0
+
+
+class Cancelled(Message, tag="cancelled"):
+    """The request ended before its rounds did (its caller left, or it failed): every owner drops
+    its state for it, and a queued Admit ahead of this is undone."""
 
 
 class Failed(Message, tag="failed"):
@@ -92,4 +103,4 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
-ActorMessage = Admit | Prefilled | Drafted | VerdictQueued | Verified | RoundAck | Failed
+ActorMessage = Admit | Prefilled | Drafted | VerdictQueued | Verified | RoundAck | Cancelled | Failed

@@ -21,7 +21,7 @@ from anyio.abc import ObjectSendStream, TaskGroup
 
 from actors import Committer, Drafter, Verifier
 from actors.mailbox import make_inbox
-from protocol import ActorMessage, Admit, GenerationParams, ModelIdentity, RequestRecord, RoundAck, TokenEvent
+from protocol import ActorMessage, Admit, Cancelled, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
 
 from .batching import default_pad_batches
 from .defaults import default_drafter_path, default_model_path
@@ -205,7 +205,7 @@ class Engine:
         # this one (lockstep), then looks again at who is ready
         for name in ("drafter", "verifier"):
             try:
-                self._inboxes[name].send_nowait(RoundAck(request_id=request_id, round=-1, finished=True))
+                self._inboxes[name].send_nowait(Cancelled(request_id=request_id))
             except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError, KeyError):
                 pass  # a full inbox will bring a flush anyway; a closed one has no actor left
 

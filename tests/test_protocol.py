@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol import (Admit, Drafted, Failed, FinishRecord, GenerationParams, ModelIdentity, Prefilled,
+from protocol import (Admit, Cancelled, Drafted, Failed, FinishRecord, GenerationParams, ModelIdentity, Prefilled,
                       ProtocolError, RequestRecord, RoundAck, RoundRecord, VerdictQueued, Verified, messages, records)
 
 MESSAGES = [
@@ -15,6 +15,7 @@ MESSAGES = [
     Verified(request_id="r1", round=0, block_size=16, speculative=True, draft_queued_at=2.0, verify_queued_at=2.1),
     VerdictQueued(request_id="r1", round=3),
     RoundAck(request_id="r1", round=3, finished=False, target_kv=40, drafter_ctx=38, generated=9),
+    Cancelled(request_id="r1"),
     Failed(request_id="r1", error="verifier: boom", kind="RuntimeError"),
 ]
 IDENTITY = ModelIdentity("m", "/m", "gguf", "ab" * 32)
