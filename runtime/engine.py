@@ -200,8 +200,8 @@ class Engine:
         """
         for actor in (self.committer, self.drafter_actor, self.verifier):
             actor.cancel(request_id)
-        # an Admit still queued would bring the request back after this: a finish queued behind
-        # it drops it again; and the drafter, which may hold the other requests' next step for
+        # an Admit still queued would bring the request back after this: a Cancelled queued
+        # behind it drops it again; and the drafter, which may hold the other requests' next step for
         # this one (lockstep), then looks again at who is ready
         for name in ("drafter", "verifier"):
             try:

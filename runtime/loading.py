@@ -28,6 +28,7 @@ from .tokenizer import Tokenizer
 
 PROGRESS_MIN_BYTES = 64 << 20  # smaller files load too fast for a progress bar to help
 IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
+RANDOM_TARGET_PREFIX = "random:"  # runtime.random_targets: a published shape with random weights
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -398,7 +399,7 @@ def build_target(ckpt: Checkpoint, dtype: str = "auto") -> tuple[DecoderModel, s
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    if isinstance(path, str) and path.startswith("random:"):
+    if isinstance(path, str) and path.startswith(RANDOM_TARGET_PREFIX):
         from .random_targets import random_checkpoint  # it builds on this module
 
         return random_checkpoint(path)

@@ -31,11 +31,11 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders, models, pre_tokenizers
 
 from .errors import CheckpointError
-from .loading import Checkpoint, QuantSpec
+from .loading import RANDOM_TARGET_PREFIX, Checkpoint, QuantSpec
 from .models import DecoderModel, decoder_args
 from .tokenizer import Tokenizer
 
-PREFIX = "random:"
+PREFIX = RANDOM_TARGET_PREFIX
 QUANT_GROUP_SIZE = 64  # as mlx-community's 4-bit and 8-bit conversions
 EMBED_SCALE = 32.0  # residual stream over the layers' sum: keeps the greedy successor decisive
 
@@ -62,10 +62,6 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def is_random_spec(path: str | Path) -> bool:
-    return isinstance(path, str) and path.startswith(PREFIX)
-
-
 def parse_spec(spec: str) -> tuple[str, int | None]:
     """``random:qwen3-8b-4bit`` -> ("qwen3-8b", 4)."""
     match = re.fullmatch(rf"{PREFIX}(.+?)(?:-(4|8)bit)?", spec)
@@ -89,9 +85,7 @@ def greedy_successor(config: dict[str, Any]) -> np.ndarray:
 
 def byte_tokenizer(vocab_size: int) -> Tokenizer:
     """Byte-level BPE without merges: 256 byte tokens, then ``<|tN|>`` up to ``vocab_size``."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
-    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab = {c: i for i, c in enumerate(_byte_level_chars())}
     vocab.update({f"<|t{i}|>": i for i in range(len(vocab), vocab_size)})
     backend = _Backend(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -100,12 +94,12 @@ def byte_tokenizer(vocab_size: int) -> Tokenizer:
                      chat_template=CHATML)
 
 
-def _byte_of(char: str) -> int:
-    """GPT-2's byte-to-unicode map, inverted: printable bytes are themselves, the rest shifted past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    code = ord(char)
-    return code if code in printable else shifted[code - 256]
+def _byte_level_chars() -> list[str]:
+    """The character byte-level BPE writes for each byte 0..255 (GPT-2's map: printable bytes
+    are themselves, the others take the code points from 256 on, in byte order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
 def published_config(name: str, seed: int = 0, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
