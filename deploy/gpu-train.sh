@@ -5,7 +5,9 @@
 #   DATA (one or more sources, space-separated), SAMPLES, GEN_BATCH, EPOCHS, LR choose the data, length and rate;
 #   INIT=DRAFTER_DIR continues that drafter (GROW_TO=N: grown to N layers, the added ones starting as the identity;
 #   TAPS="L1 L2 ...": its tapped target layers and more, the added ones read through zero weights at first);
-#   KEEP_REGEN=1 also returns runs/regen (carry it back to skip regeneration).
+#   KEEP_REGEN=1 also returns the regenerated responses (carry them back to skip regeneration);
+#   CACHE=DIR keeps them there (default runs/regen; each device call gets a fresh copy of the tree,
+#   so a path outside it, such as /tmp/regen, survives between calls to a warm machine, as does an OUT_DIR there).
 # Stops itself after $LIMIT seconds; run it again to --resume. The drafter goes to $OUT/drafter.
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -17,7 +19,7 @@ rc=0
 timeout "$LIMIT" python3 -m runtime.train --out "$DIR" --data ${DATA:-runs/prompts/train.jsonl} \
   --samples "${SAMPLES:-8000}" --max-new-tokens 256 --max-seq-len 768 --gen-batch-size "${GEN_BATCH:-128}" \
   --epochs "${EPOCHS:-6}" --lr "${LR:-6e-4}" --batch-size 32 \
-  --micro-batch 16 --layers 3 --block-size 16 --save-every 50 --no-compile --cache-dir runs/regen ${INIT:+--init "$INIT"} ${GROW_TO:+--grow-to "$GROW_TO"} ${TAPS:+--taps $TAPS} \
+  --micro-batch 16 --layers 3 --block-size 16 --save-every 50 --no-compile --cache-dir "${CACHE:-runs/regen}" ${INIT:+--init "$INIT"} ${GROW_TO:+--grow-to "$GROW_TO"} ${TAPS:+--taps $TAPS} \
   $RESUME || rc=$?
 echo "training exit status $rc"
 if [ -n "${OUT:-}" ] && [ -f "$DIR/model.safetensors" ]; then
@@ -26,5 +28,5 @@ if [ -n "${OUT:-}" ] && [ -f "$DIR/model.safetensors" ]; then
   (cd "$OUT/drafter" && split -b 15m model.safetensors model.safetensors.part- && rm model.safetensors)
 fi
 if [ -n "${OUT:-}" ] && [ -n "${KEEP_REGEN:-}" ]; then  # the regenerated responses, to carry to a later machine
-  mkdir -p "$OUT/regen" && tar -czf - runs/regen | split -b 15m - "$OUT/regen/regen.tgz.part-"
+  mkdir -p "$OUT/regen" && tar -czf - "${CACHE:-runs/regen}" | split -b 15m - "$OUT/regen/regen.tgz.part-"
 fi

@@ -52,6 +52,7 @@ from .oracle import OracleDrafter
 from .plain import GenerationResult, generate_plain, run_to_end
 from .random_targets import greedy_successor
 from .speculative import SpeculativeStats, block_size_for, generate_speculative
+from .training.splits import split_of
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "bench_prompts.jsonl"
 
@@ -184,15 +185,18 @@ def engine_summary(groups: list[EngineGroup]) -> dict[str, Any]:
 
 def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tuple[str, list[int]]],
           params: GenerationParams, log: Path | None = None, engine: bool = True, repeat: int = 1,
-          concurrency: int = 1) -> dict[str, Any]:
+          concurrency: int = 1, modes: Sequence[str] = tuple(MODES)) -> dict[str, Any]:
     """Every mode on every prompt; with no drafter, plain decoding alone; without ``engine``,
     plain decoding and the reference loop (tau and exactness, quickly on a CPU).
-    ``concurrency``: the engine modes run that many prompts at once."""
+    ``concurrency``: the engine modes run that many prompts at once; ``modes``: which engine modes."""
     if concurrency < 1:
         raise RequestError("concurrency", f"must be at least 1, got {concurrency}")
+    if unknown := set(modes) - set(MODES):
+        raise RequestError("modes", f"unknown mode(s) {sorted(unknown)}: choose from {sorted(MODES)}")
+    modes = list(modes) if engine else []
     ids = [p for _, p in prompts]
-    warm_up(target, drafter, ids, params, engine, concurrency)
-    runs = timed_runs(target, drafter, ids, params, repeat, engine, log, concurrency)
+    warm_up(target, drafter, ids, params, modes, concurrency)
+    runs = timed_runs(target, drafter, ids, params, repeat, modes, log, concurrency)
     plain = runs.pop("plain")
     report: dict[str, Any] = {
         "device": str(mx.default_device()), "blas": blas_in_use(), "dtype": target.compute_dtype, "quantized": target.quantized,
@@ -201,13 +205,13 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
     }
     if drafter is not None:
         report.update(dflash_report(drafter, params, runs, [r.token_ids for r in plain[0]], [name for name, _ in prompts]))
-        fastest = report["dflash" if engine else "reference"]["tokens_per_s"]
+        fastest = report["dflash" if "dflash" in report else "reference"]["tokens_per_s"]
         report["speedup"] = round(fastest / (report["plain"]["tokens_per_s"] or 1.0), 3)
     return report
 
 
 def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
-            engine: bool, concurrency: int = 1) -> None:
+            modes: Sequence[str], concurrency: int = 1) -> None:
     """Build every kernel and compiled step the timed runs need, so no mode pays for them.
 
     The engines decode the shortest and the longest prompt to the full length, so the
@@ -221,23 +225,23 @@ def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[i
     if drafter is None:
         return
     run_dflash(target, drafter, ids[0], warm)
-    if engine:
-        for mode in MODES:
+    if modes:
+        for mode in modes:
             anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
-        anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, "sequential")
+        anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, modes[0])
         if concurrency > 1:
-            for mode in MODES:
+            for mode in modes:
                 anyio.run(run_together, target, drafter, ids[:concurrency], params, mode)
 
 
 def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
-               repeat: int, engine: bool, log: Path | None, concurrency: int = 1) -> dict[str, list[list[Any]]]:
+               repeat: int, engine_modes: Sequence[str], log: Path | None, concurrency: int = 1) -> dict[str, list[list[Any]]]:
     """Each mode's results, per repeat and prompt (engine modes: per group of ``concurrency``
     prompts). Every group goes through all the modes back to back before the next starts: a
     slow phase of the machine (host timings on the GPU machine drift by tens of percent within
     seconds) then falls on every mode alike. Plain decoding and the reference loop take a
     group's prompts one at a time."""
-    modes = ["plain"] + (["reference"] if drafter is not None else []) + (list(MODES) if drafter is not None and engine else [])
+    modes = ["plain"] + (["reference"] if drafter is not None else []) + (list(engine_modes) if drafter is not None else [])
     runs: dict[str, list[list[Any]]] = {mode: [[] for _ in range(repeat)] for mode in modes}
     groups = [ids[i : i + concurrency] for i in range(0, len(ids), concurrency)]
     # on a terminal: a bar over (repeat, group, mode) runs; minutes pass between its steps' ends otherwise unseen
@@ -250,7 +254,7 @@ def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[lis
                     continue
                 runs["reference"][r] += [run_dflash(target, drafter, prompt, params) for prompt in group]
                 bar.update()
-                for mode in MODES if engine else ():
+                for mode in engine_modes:
                     runs[mode][r].append(anyio.run(run_together, target, drafter, group, params, mode, log))
                     bar.update()
     return runs
@@ -288,11 +292,13 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
     if runs:
         modes = {mode: {**engine_summary(pooled(done)), "runs_tokens_per_s": [engine_summary(r)["tokens_per_s"] for r in done]}
                  for mode, done in runs.items()}
-        dflash = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
-        sequential = modes["sequential"]["tokens_per_s"] or 1.0
-        report.update({mode: row for mode, row in modes.items() if mode != "pipelined"}, dflash=dflash,
-                      **{f"{mode.replace('-', '_')}_over_sequential": round(modes[mode]["tokens_per_s"] / sequential, 3)
-                         for mode in modes if mode != "sequential"})
+        report.update({mode: row for mode, row in modes.items() if mode != "pipelined"})
+        if "pipelined" in modes:
+            report["dflash"] = {**modes["pipelined"], "acceptance_per_position": ref["acceptance_per_position"]}
+        if "sequential" in modes:
+            sequential = modes["sequential"]["tokens_per_s"] or 1.0
+            report.update({f"{mode.replace('-', '_')}_over_sequential": round(modes[mode]["tokens_per_s"] / sequential, 3)
+                           for mode in modes if mode != "sequential"})
     return report
 
 
@@ -301,6 +307,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report['prompts']} prompts, max_tokens {report['max_tokens']}, block {report.get('block_size', '-')}, "
           f"engine concurrency {report['concurrency']}, "
           f"load {report.get('load_s', 0):.1f} s")
+    if "split" in report:
+        print(f"prompts {report['prompt_set']}: {report['split']} split (docs/evaluation.md)")
     if report.get("oracle_tau") is not None:
         print(f"ORACLE acceptance (a measuring instrument, runtime.oracle): drafts fixed to reach tau {report['oracle_tau']:g}")
     print(f"{'mode':<11} {'tok/s':>9} {'speedup':>8} {'ttft ms':>9} {'tau':>6} {'round ms':>9} {'idle ms/rd':>10} {'= plain':>7}")
@@ -347,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--oracle-tau", type=float, default=None,
                         help="a measuring instrument, never a default: on a random:NAME target, every round accepts a "
                              "fixed number of drafts (tau - 1 on average) from a random:L drafter (runtime.oracle)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
+                        help=f"the engine modes to run (default all: {' '.join(MODES)})")
     parser.add_argument("--no-engine", action="store_true",
                         help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")
     return parser.parse_args(argv)
@@ -364,8 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         drafter = None if args.draft == "none" else resolve_drafter(args.draft, target, block_size=args.block_size or 16)
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
-    report = {"load_s": round(load_s, 2), "oracle_tau": args.oracle_tau, **bench(target, drafter, read_prompts(args.prompts, target), params, args.log,
-                                                   not args.no_engine, args.repeat, args.concurrency)}
+    report = {"load_s": round(load_s, 2), "oracle_tau": args.oracle_tau, "prompt_set": str(args.prompts),
+              "split": split_of(args.prompts), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log,
+                                                   not args.no_engine, args.repeat, args.concurrency, args.modes)}
     print_json(report) if args.json else print_table(report)
 
 

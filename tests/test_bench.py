@@ -114,3 +114,22 @@ def test_a_random_drafter_on_a_shallow_target_taps_distinct_layers_and_runs_ever
     report = json.loads(capsys.readouterr().out)
     assert report["equal_outputs_per_mode"] == {"reference": 3, **{mode: 3 for mode in MODES}}
     assert report["dflash"]["rounds"] > 0
+
+
+def test_bench_modes_runs_only_the_engine_modes_named_and_names_the_split(
+        tiny_llama_dir: Path, tiny_drafter_dir: Path, tmp_path: Path, prompts: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    test_set = tmp_path / "test" / "chat.jsonl"
+    test_set.parent.mkdir()
+    test_set.write_text(prompts.read_text())
+    bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(test_set),
+                "--max-tokens", "8", "--block-size", "4", "--dtype", "float32", "--json", "--modes", "pipelined"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["split"] == "test" and report["prompt_set"] == str(test_set)
+    assert report["equal_outputs_per_mode"] == {"reference": 3, "pipelined": 3}
+    assert "dflash" in report and not {"sequential", "pipelined2", "draft-ahead"} & set(report)
+    assert report["speedup"] == pytest.approx(report["dflash"]["tokens_per_s"] / report["plain"]["tokens_per_s"], rel=1e-2)
+    bench.main(["--model", str(tiny_llama_dir), "--draft", str(tiny_drafter_dir), "--prompts", str(prompts),
+                "--max-tokens", "8", "--block-size", "4", "--dtype", "float32", "--modes", "sequential"])
+    table = capsys.readouterr().out
+    assert "unsplit split" in table and "sequential" in table and "pipelined2" not in table

@@ -27,6 +27,7 @@ from ..drafters import resolve_drafter
 from ..loading import LoadedModel, load_target
 from ..models.dflash import DFlashDrafter
 from ..speculative import SpeculativeStats, block_size_for
+from .splits import split_of
 
 
 def drafter_on_set(target: LoadedModel, drafter: DFlashDrafter, prompts: list[list[int]], want: list[list[int]],
@@ -52,13 +53,15 @@ def compare(target: LoadedModel, drafts: list[str], sets: list[Path], params: Ge
         for spec, drafter in drafters.items():
             table[spec][path.stem] = row = drafter_on_set(target, drafter, prompts, want, params)
             print(f"  {spec}: tau {row['tau']:.3f}, {row['equal']}/{row['prompts']} equal", file=sys.stderr)
-    return {"dtype": target.compute_dtype, "max_tokens": params.max_tokens, "block_size": params.block_size, "drafters": table}
+    return {"dtype": target.compute_dtype, "max_tokens": params.max_tokens, "block_size": params.block_size,
+            "splits": {path.stem: split_of(path) for path in sets}, "drafters": table}
 
 
 def print_table(report: dict[str, Any], sets: list[Path]) -> None:
     names = [p.stem for p in sets]
     width = max(len(spec) for spec in report["drafters"])
     print(f"tau ({report['dtype']}, block {report['block_size']}, {report['max_tokens']} tokens; equal to plain greedy)")
+    print(f"{'split':<{width}} " + " ".join(f"{report['splits'][name]:>16}" for name in names))
     print(f"{'drafter':<{width}} " + " ".join(f"{name:>16}" for name in names))
     for spec, row in report["drafters"].items():
         cells = [f"{row[n]['tau']:.3f} ({row[n]['equal']}/{row[n]['prompts']})" for n in names]

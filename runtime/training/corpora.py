@@ -25,6 +25,7 @@ import ast
 import gzip
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import re
 import sysconfig
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RuntimeErrorBase
+from .splits import EVALUATION_FAMILIES, OWN_SOURCE_FAMILIES, written_chat_rows
 
 GSM_TRAIN_SEED_BASE = 1000
 GSM_EVAL_SEEDS = range(1, 100)  # reserved for evaluation: never generate training data from them
@@ -108,6 +110,32 @@ def gsm_prompts(count: int, seed: int) -> list[Prompt]:
     assert dataset_seed not in GSM_EVAL_SEEDS
     dataset = reasoning_gym.create_dataset("gsm_symbolic", size=count, seed=dataset_seed)
     return [user_prompt("gsm", item["question"]) for item in dataset]
+
+
+def training_families() -> list[str]:
+    """reasoning-gym's task families that training may draw from: all but the evaluation splits'
+    (runtime.training.splits) and those that are sources of their own (gsm, code)."""
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(set(DATASETS) - EVALUATION_FAMILIES - set(OWN_SOURCE_FAMILIES))
+
+
+def reasoning_prompts(count: int, seed: int) -> list[Prompt]:
+    """``count`` questions spread evenly over reasoning-gym's training families (puzzles, arithmetic,
+    logic, strings, grids...), on training seeds; questions too long to be a prompt are left out."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise DataError("rg needs reasoning-gym: pip install reasoning-gym") from None
+    families = training_families()
+    per_family = -(-count // len(families))
+    columns = []
+    for family in families:
+        dataset = reasoning_gym.create_dataset(family, size=per_family, seed=GSM_TRAIN_SEED_BASE + seed)
+        columns.append([user_prompt(f"rg:{family}", item["question"].strip()) for item in dataset
+                        if len(item["question"]) <= MAX_SNIPPET_CHARS])
+    # family by family in turn, so that the first ``count`` share the families evenly
+    return [p for row in itertools.zip_longest(*columns) for p in row if p is not None][:count]
 
 
 def _codeio_items() -> Iterator[dict[str, Any]]:
@@ -307,6 +335,43 @@ def stdlib_prompts() -> list[Prompt]:
     return list(prompts)
 
 
+# how a person asks for a function in plain English: a ``{signature}`` and what it should do
+CODE_REQUESTS = (
+    "Write a Python function `{signature}` that does the following:\n\n{doc}",
+    "Can you implement `{signature}` in Python? {doc}",
+    "I need a Python function `{signature}`. {doc}\nPlease write it.",
+    "Implement this in Python: {doc}\n\nUse the signature `{signature}`.",
+)
+
+
+def code_request_prompts() -> list[Prompt]:
+    """Plain-English coding requests: for each documented stdlib function, its signature and docstring
+    as a user would ask for them (the phrasing picked by the function's hash)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts: dict[Prompt, None] = {}
+    for path in sorted(root.rglob("*.py")):
+        if STDLIB_SKIP_DIRS & set(path.relative_to(root).parts) or (module := _read_module(path)) is None:
+            continue
+        for node in ast.walk(module[1]):
+            request = _code_request(node)
+            if request is not None:
+                prompts[user_prompt("ask-code", request)] = None
+    return list(prompts)
+
+
+def _code_request(node: ast.AST) -> str | None:
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+        return None
+    doc = ast.get_docstring(node)
+    if doc is None or not MIN_DOCSTRING_CHARS <= len(doc) <= MAX_SNIPPET_CHARS:
+        return None
+    args = ast.unparse(node.args)
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    signature = f"{node.name}({args}){returns}".replace("(self, ", "(").replace("(self)", "()")
+    choice = int(hashlib.sha256(signature.encode()).hexdigest()[:8], 16) % len(CODE_REQUESTS)
+    return CODE_REQUESTS[choice].format(signature=signature, doc=doc.strip())
+
+
 def package_prompts(distribution: str) -> list[Prompt]:
     """"Continue this code" prompts: documented functions in an installed distribution's Python files
     (its own file list, so only that distribution's code; its tests are left out)."""
@@ -383,6 +448,42 @@ def world_questions() -> list[Prompt]:
     return list(prompts)
 
 
+# what a person asks an assistant to write or explain, about a topic (a common English noun)
+TASKS = (
+    "Explain {} to me as if I were ten years old.",
+    "Give me five interesting facts about {}.",
+    "Write a short story in which {} plays an important part.",
+    "Write a friendly email to a coworker about {}.",
+    "What are the pros and cons of {}?",
+    "How would a beginner get started with {}?",
+    "Write a short poem about {}.",
+    "Describe {} in a few sentences.",
+    "List some everyday uses of {}.",
+    "Write a letter to a friend telling them about {}.",
+    "What is the history of {}, briefly?",
+    "Give me some practical tips related to {}.",
+    "Summarize what most people get wrong about {}.",
+    "Why do people care about {}?",
+    "Compare {} with something similar and explain the differences.",
+    "I'd like to write a blog post about {}. Can you outline it?",
+    "What questions should I ask an expert on {}?",
+    "Tell me something surprising about {}.",
+)
+
+
+def topic_nouns() -> list[str]:
+    """wonderwords' list of common English nouns, less its profanity list."""
+    nouns = package_file("wonderwords", "wonderwords/assets/nounlist.txt").read_text(encoding="utf-8").split("\n")
+    rude = set(package_file("wonderwords", "wonderwords/assets/profanitylist.txt").read_text(encoding="utf-8").split("\n"))
+    return [n.strip() for n in nouns if n.strip() and n.strip() not in rude]
+
+
+def task_prompts() -> list[Prompt]:
+    """Requests for explanations, lists, letters, stories, summaries and advice: every TASKS phrasing
+    over every topic noun (the loader takes its share in hash order)."""
+    return [user_prompt("tasks", task.format(noun)) for noun in topic_nouns() for task in TASKS]
+
+
 # ---------------------------------------------------------------- files
 
 
@@ -404,6 +505,11 @@ def record_prompt(record: dict[str, Any], source: str) -> Prompt | None:
     if record.get("text"):
         return Prompt(source, text=str(record["text"]))
     return None
+
+
+def written_chat_contents() -> set[str]:
+    """The content of every chat prompt written for evaluation (runtime.training.splits), both splits."""
+    return {p.content() for row in written_chat_rows() if (p := record_prompt(row, "written")) is not None}
 
 
 def file_prompts(path: Path) -> list[Prompt]:
@@ -433,9 +539,11 @@ def file_prompts(path: Path) -> list[Prompt]:
 
 NAMED_SOURCES: dict[str, Callable[[], list[Prompt]]] = {
     "code": code_prompts, "code-def": code_def_prompts, "chat": chat_training_prompts, "stdlib": stdlib_prompts,
-    "ask-python": python_questions, "ask-world": world_questions,
+    "ask-python": python_questions, "ask-world": world_questions, "ask-code": code_request_prompts, "tasks": task_prompts,
 }
-SOURCE_NAMES = ("gsm", *NAMED_SOURCES, f"{PACKAGE_PREFIX}DIST")  # as --data's help lists them
+# sources generated to the size asked (count, seed) rather than read whole
+GENERATED_SOURCES: dict[str, Callable[[int, int], list[Prompt]]] = {"gsm": gsm_prompts, "rg": reasoning_prompts}
+SOURCE_NAMES = (*GENERATED_SOURCES, *NAMED_SOURCES, f"{PACKAGE_PREFIX}DIST")  # as --data's help lists them
 
 
 def _source_prompts(name: str) -> list[Prompt]:
@@ -451,13 +559,13 @@ def _source_prompts(name: str) -> list[Prompt]:
 def load_prompts(sources: list[str], samples: int, seed: int) -> list[Prompt]:
     """Up to ``samples`` prompts, shared evenly among ``sources`` (names or file paths), what a small
     source cannot fill going to the others; a prompt that several sources hold comes once, from the first."""
-    # every source but gsm is read whole anyway; gsm's questions are generated, only as many as its share
-    picks = [None if name == "gsm" else _source_prompts(name) for name in sources]
+    # a named source or file is read whole anyway; a generated one makes only as many as its share
+    picks = [None if name in GENERATED_SOURCES else _source_prompts(name) for name in sources]
     shares = even_shares([samples if pick is None else len(pick) for pick in picks], samples)
-    seen: set[str] = set()
+    seen = written_chat_contents()  # evaluation prompts: never trained on, whatever file holds them
     unique = []
-    for pick, share in zip(picks, shares):
-        for prompt in gsm_prompts(share, seed) if pick is None else pick[:share]:
+    for name, pick, share in zip(sources, picks, shares):
+        for prompt in GENERATED_SOURCES[name](share, seed) if pick is None else pick[:share]:
             content = prompt.content()
             if content not in seen:
                 seen.add(content)
