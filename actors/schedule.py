@@ -12,8 +12,8 @@ Round numbers: ``PREFILL`` (-1) is the prompt's forward and its first token; rou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 PREFILL = -1  # the prompt's forward: its first token is acknowledged as round -1
