@@ -38,7 +38,7 @@ class CommitterRequest:
     greedy: bool
     admitted_at: float
     drafted: int = NONE  # latest round known drafted (its Drafted has come)
-    verified: dict[int, Verified] = field(default_factory=dict)  # rounds verified, not yet committed
+    unread: dict[int, Verified] = field(default_factory=dict)  # rounds verified, not yet read and committed
     first_token_at: float | None = None
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)
@@ -82,7 +82,7 @@ class Committer(Actor):
         """Drop the request; its caller gets ``last`` (if any), then the end of its stream."""
         request = self.requests.pop(request_id, None)
         if request is not None:
-            self.discarded_rounds += len(request.verified)  # verified behind the last one, never read
+            self.discarded_rounds += len(request.unread)  # verified behind the last one, never read
             if last is not None:
                 self._deliver(request, last)
             request.events.close()
@@ -111,7 +111,7 @@ class Committer(Actor):
         if isinstance(message, Prefilled):
             await self._first_token(message.request_id, request)
         elif isinstance(message, Verified):
-            request.verified[message.round] = message
+            request.unread[message.round] = message
             request.drafted = max(request.drafted, message.round)
             await self._commit_ready(message.request_id, request)
         elif isinstance(message, Drafted):
@@ -135,10 +135,10 @@ class Committer(Actor):
 
     async def _commit_ready(self, request_id: str, request: CommitterRequest) -> None:
         """Commit, in order, the verified rounds that the schedule lets the host read now."""
-        while (request.rounds in request.verified and self.requests.get(request_id) is request
+        while (request.rounds in request.unread and self.requests.get(request_id) is request
                and self.schedule.may_commit(request.rounds, request.drafted, len(request.stream.token_ids),
                                             request.max_tokens)):
-            await self._commit_round(request.verified.pop(request.rounds), request)
+            await self._commit_round(request.unread.pop(request.rounds), request)
 
     async def _first_token(self, request_id: str, request: CommitterRequest) -> None:
         token = self.verified.get(request_id, PREFILL).host().bonus

@@ -7,7 +7,8 @@ target KV's valid length advances on the device by ``a+1``; rejected positions l
 it and are overwritten next round.
 
 Rounds of many requests are verified together: at each flush every drafted round
-waiting here goes into one target forward over their stacked caches (each row at its
+waiting here goes into one target forward (when the mode's schedule lets them:
+``Schedule.verify_step``, actors/schedule.py) over their stacked caches (each row at its
 own KV length and positions), padded to the longest block; a row never accepts past
 its own block. The stack is kept from step to step while the same requests are verified
 together (stacking copies every buffer and unstacking makes a view per row and layer:
