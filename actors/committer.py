@@ -1,7 +1,7 @@
 """The committer: the only place the host reads a round's results.
 
-It waits for round N's verdict (by then round N+1 is already queued in pipelined mode),
-checks the lag, trim, no-rollback, layout and accepted-prefix invariants, streams the
+It reads round N once the schedule lets it (``Schedule.may_commit``: in the pipelined
+modes once round N+1, or N+2, is drafted and queued behind it), checks the lag, trim, no-rollback, layout and accepted-prefix invariants, streams the
 committed tokens to the caller, writes the round's log record, and acknowledges the
 round. It ends requests (EOS, stop string, max_tokens, cancellation, failure) and
 discards the speculative rounds that were started after a request's last one.
@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Sequence
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectSendStream
 
-from protocol import (ActorMessage, Admit, Cancelled, Failed, FinishRecord, Prefilled, RoundAck, RoundRecord,
+from protocol import (ActorMessage, Admit, Cancelled, Drafted, Failed, FinishRecord, Prefilled, RoundAck, RoundRecord,
                       TokenEvent, Usage, Verified)
 from runtime.invariants import InvariantError, RoundAuditor, RoundFacts, recorded_facts
 from runtime.sampling import is_greedy
 from runtime.stopping import Emission, TextStream, delivered_tokens
 from runtime.tokenizer import Tokenizer
 
-from .mailbox import Actor
-
-MAX_YIELDS_FOR_NEXT_ROUND = 64  # a bound, so a stalled drafter cannot stall commits
-
-if TYPE_CHECKING:
-    from .drafter import Drafter
-    from .verifier import Verifier
+from .mailbox import Actor, Inbox, Outbox
+from .rounds import DraftOutputs, RoundOutputs, RoundReader
+from .schedule import NONE, PREFILL, Schedule
 
 
 @dataclass
@@ -38,8 +34,11 @@ class CommitterRequest:
     auditor: RoundAuditor
     events: ObjectSendStream[TokenEvent]
     prompt_len: int
+    max_tokens: int
     greedy: bool
     admitted_at: float
+    drafted: int = NONE  # latest round known drafted (its Drafted has come)
+    unread: dict[int, Verified] = field(default_factory=dict)  # rounds verified, not yet read and committed
     first_token_at: float | None = None
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)
@@ -51,17 +50,24 @@ class CommitterRequest:
 
 
 class Committer(Actor):
+    """Reads Prefilled, Drafted, Verified and Failed; sends RoundAck or Cancelled to the drafter and the verifier.
+
+    ``verified`` and ``drafts``: the verifier's and the drafter's round results, by handle
+    (read to the host here, and only here). The engine ``register``s each request first,
+    with the stream its caller reads token events from.
+    """
+
     name = "committer"
 
-    def __init__(self, tokenizer: Tokenizer, n_taps: int, hidden_size: int, inbox: ObjectReceiveStream[ActorMessage],
+    def __init__(self, tokenizer: Tokenizer, n_taps: int, hidden_size: int, schedule: Schedule, inbox: Inbox, *,
+                 verified: RoundReader[RoundOutputs], drafts: RoundReader[DraftOutputs], acks: Sequence[Outbox],
                  log: Callable[[object], None] | None = None) -> None:
         super().__init__(inbox)
-        self.tokenizer, self.n_taps, self.hidden_size = tokenizer, n_taps, hidden_size
+        self.tokenizer, self.n_taps, self.hidden_size, self.schedule = tokenizer, n_taps, hidden_size, schedule
+        self.verified, self.drafts = verified, drafts
         self.requests: dict[str, CommitterRequest] = {}
         self.log = log  # None: no records are built at all
-        self.acks: list[ObjectSendStream[ActorMessage]] = []  # drafter and verifier inboxes
-        self.verifier: Verifier | None = None
-        self.drafter: Drafter | None = None
+        self.acks = list(acks)  # drafter and verifier inboxes
         self.discarded_rounds = 0
 
     def register(self, request_id: str, admit: Admit, events: ObjectSendStream[TokenEvent]) -> None:
@@ -69,13 +75,14 @@ class Committer(Actor):
         self.requests[request_id] = CommitterRequest(
             TextStream(self.tokenizer, params.max_tokens, params.stop),
             RoundAuditor(len(admit.prompt_ids), self.n_taps, self.hidden_size),
-            events, len(admit.prompt_ids), is_greedy(params), time.perf_counter(),
+            events, len(admit.prompt_ids), params.max_tokens, is_greedy(params), time.perf_counter(),
         )
 
     def forget(self, request_id: str, last: TokenEvent | None = None) -> None:
         """Drop the request; its caller gets ``last`` (if any), then the end of its stream."""
         request = self.requests.pop(request_id, None)
         if request is not None:
+            self.discarded_rounds += len(request.unread)  # verified behind the last one, never read
             if last is not None:
                 self._deliver(request, last)
             request.events.close()
@@ -104,36 +111,44 @@ class Committer(Actor):
         if isinstance(message, Prefilled):
             await self._first_token(message.request_id, request)
         elif isinstance(message, Verified):
-            await self._commit_round(message, request)
+            request.unread[message.round] = message
+            request.drafted = max(request.drafted, message.round)
+            await self._commit_ready(message.request_id, request)
+        elif isinstance(message, Drafted):
+            request.drafted = max(request.drafted, message.round)
+            await self._commit_ready(message.request_id, request)
         elif isinstance(message, Failed):
             await self._finish(message.request_id, request, "error", error=message.error)
 
-    def cancel(self, request_id: str) -> None:
+    def drop(self, request_id: str, rounds_started: int | None = None) -> None:
+        """The caller left; ``rounds_started``: what the drafter has drafted for it (else as known here)."""
         request = self.requests.get(request_id)
         if request is not None:
-            self._log_finish(request_id, request, "cancelled", discarded=self._rounds_in_flight(request_id, request))
+            discarded = self._rounds_in_flight(request) if rounds_started is None else rounds_started - request.rounds
+            self._log_finish(request_id, request, "cancelled", discarded=max(0, discarded))
             self.forget(request_id)
 
-    def _rounds_in_flight(self, request_id: str, request: CommitterRequest) -> int:
-        """Rounds the drafter started past the last committed one: what finishing now discards.
+    @staticmethod
+    def _rounds_in_flight(request: CommitterRequest) -> int:
+        """Rounds drafted past the last committed one: what finishing now discards."""
+        return max(0, request.drafted + 1 - request.rounds)
 
-        Taken before the finishing acks go out, since they make the drafter forget the request.
-        """
-        assert self.drafter is not None
-        drafting = self.drafter.requests.get(request_id)
-        return drafting.next_round - request.rounds if drafting is not None else 0
+    async def _commit_ready(self, request_id: str, request: CommitterRequest) -> None:
+        """Commit, in order, the verified rounds that the schedule lets the host read now."""
+        while (request.rounds in request.unread and self.requests.get(request_id) is request
+               and self.schedule.may_commit(request.rounds, request.drafted, len(request.stream.token_ids),
+                                            request.max_tokens)):
+            await self._commit_round(request.unread.pop(request.rounds), request)
 
     async def _first_token(self, request_id: str, request: CommitterRequest) -> None:
-        assert self.verifier is not None
-        token = self.verifier.outputs(request_id, -1).host().bonus
+        token = self.verified.get(request_id, PREFILL).host().bonus
         request.first_token_at = request.last_ready_at = time.perf_counter()
-        await self._emit(request_id, request, request.stream.push([token]), -1, kv=request.prompt_len, ctx=0)
+        await self._emit(request_id, request, request.stream.push([token]), PREFILL, kv=request.prompt_len, ctx=0)
 
     def _facts(self, message: Verified, request: CommitterRequest) -> tuple[RoundFacts, float]:
         """Read round N's results from their owners: the only host sync of the round."""
-        assert self.verifier is not None and self.drafter is not None
-        out = self.verifier.outputs(message.request_id, message.round)
-        drafted = self.drafter.outputs(message.request_id, message.round)
+        out = self.verified.get(message.request_id, message.round)
+        drafted = self.drafts.get(message.request_id, message.round)
         verified, draft = out.host(), drafted.host()  # the first row read of a step waits for the step
         ready = time.perf_counter()
         a = verified.accepted
@@ -148,26 +163,7 @@ class Committer(Actor):
         )
         return facts, ready
 
-    async def _next_round_queued(self, message: Verified) -> None:
-        """Before blocking on round N, let the rounds drafted ahead of it reach the device queue.
-
-        Reading round N blocks this thread until the device finishes it; if round N+1 (and
-        N+2 with two rounds of lookahead) is not queued by then, the device idles while the
-        host builds it.
-        """
-        assert self.verifier is not None and self.drafter is not None
-        rid, last = message.request_id, message.round + self.drafter.lookahead
-        # draft-ahead verifies round N+1 only after this commit: only its draft can be queued first
-        queued = self.drafter.has_round if self.verifier.verify_after_commit else self.verifier.has_round
-        for _ in range(MAX_YIELDS_FOR_NEXT_ROUND):
-            if self.drafter.lookahead == 0 or queued(rid, last) or not self.drafter.will_draft(rid, last):
-                return
-            await anyio.sleep(0)
-
     async def _commit_round(self, message: Verified, request: CommitterRequest) -> None:
-        await self._next_round_queued(message)
-        if message.request_id not in self.requests:
-            return  # cancelled while we yielded
         facts, ready = self._facts(message, request)
         try:
             request.auditor.check(facts)
@@ -193,7 +189,7 @@ class Committer(Actor):
 
     async def _emit(self, request_id: str, request: CommitterRequest, emission: Emission, round: int, kv: int, ctx: int) -> None:
         finished = emission.finish_reason is not None
-        discarded = self._rounds_in_flight(request_id, request) if finished else 0
+        discarded = self._rounds_in_flight(request) if finished else 0
         for inbox in self.acks:
             await inbox.send(RoundAck(request_id=request_id, round=round, finished=finished, target_kv=kv,
                                       drafter_ctx=ctx, generated=len(request.stream.token_ids)))
@@ -206,10 +202,10 @@ class Committer(Actor):
             self._log_finish(request_id, request, emission.finish_reason or "stop", discarded=discarded)
             self.forget(request_id, last=event)
         elif not self._deliver(request, event):
-            self.cancel(request_id)
+            self.drop(request_id)
 
     async def _finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None) -> None:
-        discarded = self._rounds_in_flight(request_id, request)
+        discarded = self._rounds_in_flight(request)
         for inbox in self.acks:
             await inbox.send(Cancelled(request_id=request_id))
         self._log_finish(request_id, request, reason, error, discarded)

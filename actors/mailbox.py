@@ -2,7 +2,8 @@
 
 An actor handles every message already in its inbox before it ``flush``es: the
 drafter and the verifier record what became ready and run it in one batched forward
-at the flush, so the rounds of many requests share each forward.
+at the flush, so the rounds of many requests share each forward. The loop ends when
+every sender has closed its end of the inbox (docs/actors.md, "Lifecycle").
 """
 
 from __future__ import annotations
@@ -13,30 +14,53 @@ from typing import Any, Awaitable, Callable, Generic, Iterable, Protocol, Sequen
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from protocol import ActorMessage, Failed
+from protocol import ActorMessage, Drain, Failed
+
+from .rounds import RoundResults
 
 INBOX_SIZE = 256  # bounded: a flood of requests applies backpressure to their senders
 
+Inbox = ObjectReceiveStream[ActorMessage]
+Outbox = ObjectSendStream[ActorMessage]
 
-def make_inbox() -> tuple[ObjectSendStream[ActorMessage], ObjectReceiveStream[ActorMessage]]:
+
+def make_inbox() -> tuple[Outbox, Inbox]:
     return anyio.create_memory_object_stream[ActorMessage](INBOX_SIZE)
 
 
 class Actor:
-    """Reads its inbox until it closes; ``handle`` errors become ``Failed`` for that request."""
+    """Reads its inbox until it closes; ``handle`` errors become ``Failed`` for that request.
+
+    ``failures``: where ``Failed`` goes (the committer's inbox); None: failures raise.
+    """
 
     name = "actor"
 
-    def __init__(self, inbox: ObjectReceiveStream[ActorMessage]) -> None:
+    def __init__(self, inbox: Inbox, failures: Outbox | None = None) -> None:
         self.inbox = inbox
-        self.failures: ObjectSendStream[ActorMessage] | None = None  # where Failed goes (the committer)
+        self.failures = failures
+        self.handled = 0  # messages handled, drains aside
+        self._drains: dict[int, anyio.Event] = {}
+        self._drained: list[int] = []
 
     async def run(self) -> None:
         async with self.inbox:
             async for message in self.inbox:
-                await self._isolated(message.request_id, self.handle, message)
+                if isinstance(message, Drain):
+                    self._drained.append(message.seq)
+                else:
+                    self.handled += 1
+                    await self._isolated(message.request_id, self.handle, message)
                 if not self.inbox.statistics().current_buffer_used:
                     await self.flush()
+                    for seq in self._drained:
+                        self._drains.pop(seq).set()
+                    self._drained.clear()
+
+    def expect_drain(self, seq: int) -> anyio.Event:
+        """The event set once ``Drain(seq)`` and everything before it in the inbox are handled and flushed."""
+        event = self._drains[seq] = anyio.Event()
+        return event
 
     async def handle(self, message: Any) -> None:
         raise NotImplementedError
@@ -70,18 +94,24 @@ class Actor:
     def forget(self, request_id: str) -> None:
         """Drop every piece of state this actor holds for the request."""
 
-    def cancel(self, request_id: str) -> None:
-        """The caller left: drop the request now (late messages about it are then ignored)."""
+    def drop(self, request_id: str) -> None:
+        """The caller left: drop the request now (late messages about it are then ignored).
+
+        Called by the engine, synchronously, from the ``finally`` of a cancelled caller.
+        """
         self.forget(request_id)
 
     async def report_failure(self, request_id: str, exc: Exception) -> None:
         if self.failures is None:
             raise exc
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        await self.failures.send(Failed(request_id=request_id, error=f"{self.name}: {detail}", kind=type(exc).__name__))
+        try:
+            await self.failures.send(Failed(request_id=request_id, error=f"{self.name}: {detail}", kind=type(exc).__name__))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # shutting down: nobody is left to tell
 
 
-async def send_burst(stream: ObjectSendStream[ActorMessage], messages: Iterable[ActorMessage]) -> None:
+async def send_burst(stream: Outbox, messages: Iterable[ActorMessage]) -> None:
     """Send without yielding between messages, so the receiver finds a step's messages together."""
     for message in messages:
         try:
@@ -91,27 +121,27 @@ async def send_burst(stream: ObjectSendStream[ActorMessage], messages: Iterable[
 
 
 class OwnedRequest(Protocol):
-    """Per-request device state: caches, and the outputs of rounds not yet consumed."""
+    """Per-request device state: its caches."""
 
     cache: list[Any]
-    outputs: dict[int, Any]
 
 
 RequestT = TypeVar("RequestT", bound=OwnedRequest)
+OutputT = TypeVar("OutputT")
 
 
-class DeviceStateOwner(Actor, Generic[RequestT]):
-    """An actor that owns requests' device state; others read its round outputs by handle."""
+class DeviceStateOwner(Actor, Generic[RequestT, OutputT]):
+    """An actor that owns requests' device state; others read its round results by handle."""
 
-    def __init__(self, inbox: ObjectReceiveStream[ActorMessage]) -> None:
-        super().__init__(inbox)
+    def __init__(self, inbox: Inbox, failures: Outbox | None = None,
+                 results: RoundResults[OutputT] | None = None) -> None:
+        super().__init__(inbox, failures)
         self.requests: dict[str, RequestT] = {}
-
-    def outputs(self, request_id: str, round: int) -> Any:
-        return self.requests[request_id].outputs[round]
+        self.results: RoundResults[OutputT] = RoundResults() if results is None else results  # written here only
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.results.drop(request_id)
 
     @property
     def cache_bytes(self) -> int:

@@ -7,7 +7,8 @@ target KV's valid length advances on the device by ``a+1``; rejected positions l
 it and are overwritten next round.
 
 Rounds of many requests are verified together: at each flush every drafted round
-waiting here goes into one target forward over their stacked caches (each row at its
+waiting here goes into one target forward (when the mode's schedule lets them:
+``Schedule.verify_step``, actors/schedule.py) over their stacked caches (each row at its
 own KV length and positions), padded to the longest block; a row never accepts past
 its own block. The stack is kept from step to step while the same requests are verified
 together (stacking copies every buffer and unstacking makes a view per row and layer:
@@ -17,11 +18,10 @@ ops that cost host time on a GPU); they get their rows back when it breaks up.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from protocol import (
     ActorMessage,
@@ -41,39 +41,13 @@ from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
 
-from .mailbox import DeviceStateOwner, send_burst
-
-if TYPE_CHECKING:
-    from .drafter import Drafter
+from .mailbox import DeviceStateOwner, Inbox, Outbox, send_burst
+from .rounds import DraftOutputs, RoundOutputs, RoundReader, RoundResults, VerifiedRow
+from .schedule import NONE, PREFILL, Schedule
 
 PREFILL_BUCKET = ATTENTION_BUCKET
 
-
-class VerifiedRow(NamedTuple):
-    """One request's round results on the host."""
-
-    accepted: int
-    bonus: int
-    keep: int
-    kv_before: int
-    kv_after: int
-    target_tokens: list[int]
-
-
-@dataclass
-class RoundOutputs:
-    """Device results of one round (or of the prefill, round -1), read by handle."""
-
-    bonus: mx.array  # the next anchor
-    taps: mx.array  # [1, rows, n_taps*H]
-    keep: mx.array  # how many leading tap rows are accepted positions
-    readout: HostReadout  # the step's accepted, bonus, keep, kv before/after, target tokens
-    row: int
-    block_size: int
-
-    def host(self) -> VerifiedRow:
-        values = self.readout.row(self.row).tolist()
-        return VerifiedRow(*values[:5], values[5 : 5 + self.block_size])
+__all__ = ["PREFILL_BUCKET", "RoundOutputs", "VerifiedRow", "Verifier"]
 
 
 @dataclass
@@ -82,32 +56,29 @@ class VerifierRequest:
     sampler: Sampler
     cache: list[DeviceKVCache]
     prompt_len: int
-    outputs: dict[int, RoundOutputs] = field(default_factory=dict)
-    acked: int = -2  # latest round the committer acknowledged (-1: the prefill's first token)
+    acked: int = NONE  # latest round the committer acknowledged (-1: the prefill's first token)
 
 
-class Verifier(DeviceStateOwner[VerifierRequest]):
+class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
+    """Reads Admit, Drafted, RoundAck and Cancelled; sends Prefilled and Verified to the committer,
+    VerdictQueued to the drafter.
+
+    ``drafts``: the drafter's round results, by handle (the drafts verified).
+    """
+
     name = "verifier"
 
-    def __init__(self, target: DecoderModel, tap_layers: tuple[int, ...], inbox: ObjectReceiveStream[ActorMessage],
-                 pad_batches: bool | None = None, verify_after_commit: bool = False) -> None:
-        super().__init__(inbox)
-        self.verify_after_commit = verify_after_commit  # round N+1 waits for round N's acknowledgement
-        self.target, self.tap_layers = target, tap_layers
+    def __init__(self, target: DecoderModel, tap_layers: tuple[int, ...], schedule: Schedule, inbox: Inbox, *,
+                 drafts: RoundReader[DraftOutputs], drafter: Outbox, committer: Outbox,
+                 results: RoundResults[RoundOutputs] | None = None, pad_batches: bool | None = None) -> None:
+        super().__init__(inbox, failures=committer, results=results)
+        self.target, self.tap_layers, self.schedule = target, tap_layers, schedule
         self.pad_batches = default_pad_batches() if pad_batches is None else pad_batches
-        self.committer: ObjectSendStream[ActorMessage] | None = None
-        self.drafter_inbox: ObjectSendStream[ActorMessage] | None = None
-        self.drafter: Drafter | None = None
+        self.drafts = drafts
+        self.drafter, self.committer = drafter, committer
         self._admitted: list[Admit] = []
         self._drafted: dict[str, Drafted] = {}  # request id -> its round waiting to be verified
         self._stack = KeptStack()
-
-    def outputs(self, request_id: str, round: int) -> RoundOutputs:
-        return super().outputs(request_id, round)
-
-    def has_round(self, request_id: str, round: int) -> bool:
-        request = self.requests.get(request_id)
-        return request is not None and round in request.outputs
 
     async def handle(self, message: ActorMessage) -> None:
         if isinstance(message, Admit):
@@ -132,20 +103,13 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         for admit in admitted:
             await self._isolated(admit.request_id, self._prefill, admit)
         drafted = {rid: m for rid, m in self._drafted.items() if rid in self.requests}
-        if not drafted or not all(self._may_verify(m) for m in drafted.values()):
+        if not self.schedule.verify_step({rid: m.round for rid, m in drafted.items()},
+                                         {rid: self.requests[rid].acked for rid in drafted}):
             return
         self._drafted = {}
         await self.run_batch(list(drafted), lambda ids: self._verify([drafted[rid] for rid in ids]))
 
-    def _may_verify(self, drafted: Drafted) -> bool:
-        """After commit (draft-ahead): once the round before is acknowledged. Every drafted round
-        waits for all the others (each one's round before is already verified, so its
-        acknowledgement is on its way): the committer acknowledges a step's rounds one by one,
-        and verifying each as its acknowledgement came would split the batch into single rows."""
-        return not self.verify_after_commit or self.requests[drafted.request_id].acked >= drafted.round - 1
-
     async def _prefill(self, message: Admit) -> None:
-        assert self.committer is not None and self.drafter_inbox is not None
         check_params(message.params)
         check_context(self.target, len(message.prompt_ids), message.params.max_tokens)
         request = VerifierRequest(message.params, Sampler(message.params), self.target.make_device_cache(), len(message.prompt_ids))
@@ -164,15 +128,14 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             layer.settle(n)
         zero = mx.array([0], dtype=mx.int32)
         readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1)])
-        request.outputs[-1] = RoundOutputs(first, out.taps, prompt_len, readout, 0, 0)
+        self.results.put(message.request_id, PREFILL, RoundOutputs(first, out.taps, prompt_len, readout, 0, 0))
         mx.async_eval(readout.packed, out.taps)
         self.requests[message.request_id] = request
         await self.committer.send(Prefilled(request_id=message.request_id, queued_at=queued))
-        await self.drafter_inbox.send(VerdictQueued(request_id=message.request_id, round=-1))
+        await self.drafter.send(VerdictQueued(request_id=message.request_id, round=PREFILL))
 
     async def _verify(self, rounds: Sequence[Drafted]) -> None:
         """One target forward for the given rounds of different requests (plus blank padding rows)."""
-        assert self.committer is not None and self.drafter_inbox is not None and self.drafter is not None
         rounds = self._in_batch_order(rounds)
         requests = [self.requests[m.request_id] for m in rounds]
         blocks = [m.block_size for m in rounds]
@@ -180,12 +143,12 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         rows = padded_batch(n) if self.pad_batches else n
         queued = time.perf_counter()
         # drafts come at the batch's widest block: a request's smaller block (its params) keeps the shape
-        outputs = [self.drafter.outputs(m.request_id, m.round) for m in rounds]
+        outputs = [self.drafts.get(m.request_id, m.round) for m in rounds]
         drafted = [o.drafts for o in outputs]
         width = max(d.shape[0] for d in drafted) + 1
         blank = mx.zeros((0,), dtype=mx.int32)
         drafts = pad_rows(drafted + [blank] * (rows - n), width - 1)
-        anchors = mx.stack([r.outputs[m.round - 1].bonus for r, m in zip(requests, rounds)]
+        anchors = mx.stack([self.results.get(m.request_id, m.round - 1).bonus for m in rounds]
                            + [mx.array(0, dtype=mx.int32)] * (rows - n))
         tokens = mx.concatenate([anchors[:, None], drafts], axis=1)
         with self._stack.stacked([m.request_id for m in rounds], [r.cache for r in requests], width, rows) as caches:
@@ -199,14 +162,14 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
             advance_layers(caches, kept if rows > 1 else kept[0])
             kv_after = caches[0].length.reshape(-1)[:n]
         readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, verdict.target_tokens])
-        for row, (request, message, block) in enumerate(zip(requests, rounds, blocks)):
-            request.outputs[message.round] = RoundOutputs(verdict.bonus[row], out.taps[row : row + 1, :block], keep[row],
-                                                          readout, row, block)
+        for row, (message, block) in enumerate(zip(rounds, blocks)):
+            self.results.put(message.request_id, message.round, RoundOutputs(
+                verdict.bonus[row], out.taps[row : row + 1, :block], keep[row], readout, row, block))
         mx.async_eval(readout.packed, out.taps)
         await send_burst(self.committer, [Verified(
             request_id=m.request_id, round=m.round, block_size=m.block_size, speculative=m.speculative,
             draft_queued_at=m.draft_queued_at, verify_queued_at=queued, batch_size=n) for m in rounds])
-        await send_burst(self.drafter_inbox, [VerdictQueued(request_id=m.request_id, round=m.round) for m in rounds])
+        await send_burst(self.drafter, [VerdictQueued(request_id=m.request_id, round=m.round) for m in rounds])
 
     def _in_batch_order(self, rounds: Sequence[Drafted]) -> list[Drafted]:
         """The rounds in the kept stack's row order when they are its requests (else as they came)."""
@@ -227,7 +190,7 @@ class Verifier(DeviceStateOwner[VerifierRequest]):
         if request is None:
             return
         request.acked = ack.round
-        if ack.round >= 0:
+        if ack.round > PREFILL:
             for layer in request.cache:
                 layer.settle(ack.target_kv)
-        request.outputs.pop(ack.round - 1, None)  # the drafter has consumed it
+        self.results.pop(ack.request_id, ack.round - 1)  # the drafter has consumed it

@@ -82,7 +82,7 @@ class TimedMLX:
 
 def time_parts() -> None:
     for owner, names in ((actors.drafter.Drafter, ("_draft", "_forward")), (actors.verifier.Verifier, ("_verify",)),
-                         (actors.committer.Committer, ("_commit_round", "_facts", "_emit", "_next_round_queued")),
+                         (actors.committer.Committer, ("_commit_round", "_facts", "_emit")),
                          (runtime.batching.HostReadout, ("row",))):
         for name in names:
             timed(owner, name)

@@ -32,7 +32,8 @@ class Prefilled(Message, tag="prefilled"):
 
 
 class Drafted(Message, tag="drafted"):
-    """Round ``round``'s drafts are queued on the device (drafter -> verifier)."""
+    """Round ``round``'s drafts are queued on the device (drafter -> verifier, which verifies them,
+    and -> committer, which reads the round before once this one is queued)."""
 
     round: int
     block_size: int
@@ -60,7 +61,9 @@ class Verified(Message, tag="verified"):
 
 
 class RoundAck(Message, tag="ack"):
-    """The committer has checked and streamed round ``round`` (-1: the prefill; an early end is Cancelled).
+    """The committer has checked and streamed round ``round`` (committer -> drafter, verifier).
+
+    Round -1 is the prefill's first token; a request that ends early gets ``Cancelled`` instead.
 
     It carries what the host now knows for certain, so owners can tighten their caches.
     """
@@ -75,6 +78,14 @@ class RoundAck(Message, tag="ack"):
 class Cancelled(Message, tag="cancelled"):
     """The request ended before its rounds did (its caller left, or it failed): every owner drops
     its state for it, and a queued Admit ahead of this is undone."""
+
+
+class Drain(Message, tag="drain", kw_only=True):
+    """The engine's marker (engine -> any actor): the actor reports ``seq`` once it has handled and
+    flushed everything queued before it (Engine.stats waits on it instead of polling)."""
+
+    request_id: str = ""
+    seq: int
 
 
 class Failed(Message, tag="failed"):
@@ -103,4 +114,4 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
-ActorMessage = Admit | Prefilled | Drafted | VerdictQueued | Verified | RoundAck | Cancelled | Failed
+ActorMessage = Admit | Prefilled | Drafted | VerdictQueued | Verified | RoundAck | Cancelled | Drain | Failed

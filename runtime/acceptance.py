@@ -2,7 +2,7 @@
 
 Each function returns lazy arrays, so a pipelined caller can build the next round's
 input from the verdict before the host has seen it. Greedy: accept while the draft
-equals the target's argmax. Sampling (lossless, DFLASH.md section 3, argmax proposals
+equals the target's argmax. Sampling (lossless, docs/decode-loop.md "Sampling", argmax proposals
 with a one-hot q): accept draft d_i with probability p_i(d_i); at the first rejection
 draw from p_i with d_i removed and renormalised; after a full accept draw the bonus from
 the last row. Drafts drawn from a distribution q (a DFlash 2 selector at temperature > 0)

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, NamedTuple, Sequence
 
 import anyio
-from anyio.abc import ObjectSendStream, TaskGroup
 
 from actors import Committer, Drafter, Verifier
-from actors.mailbox import make_inbox
-from protocol import ActorMessage, Admit, Cancelled, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
+from actors.mailbox import Actor, Outbox, make_inbox
+from actors.rounds import DraftOutputs, RoundOutputs, RoundResults
+from actors.schedule import MODES
+from protocol import Admit, Cancelled, Drain, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
 
 from .batching import default_pad_batches
 from .defaults import default_drafter_path, default_model_path
@@ -42,19 +44,14 @@ def drafter_identity(spec: str | None) -> ModelIdentity | None:
     return ModelIdentity(path.name, str(path), "dflash", hash_folder(path))
 
 
-class Schedule(NamedTuple):
-    """How far a mode runs ahead of the committer."""
+class Actors(NamedTuple):
+    """The actors of one running engine, and the send ends of their inboxes that the engine keeps."""
 
-    lookahead: int  # rounds drafted beyond the last committed one
-    verify_after_commit: bool = False  # round N+1 is verified only once round N is committed
-
-
-# pipelined reads round N once N+1 is queued, pipelined2 once N+2 is (the host then waits on
-# the device less often behind it), sequential at once; draft-ahead drafts N+1 before reading
-# N but verifies it after: its cache writes then never land in buffers a queued verify still
-# reads (MLX copies such a buffer whole rather than write it in place)
-MODES = {"pipelined": Schedule(1), "sequential": Schedule(0), "pipelined2": Schedule(2),
-         "draft-ahead": Schedule(1, verify_after_commit=True)}
+    drafter: Drafter
+    verifier: Verifier
+    committer: Committer
+    inboxes: dict[str, Outbox]  # the engine's own ends: Admit, Cancelled and Drain go in there
+    senders: list[Outbox]  # every send end, the actors' included: closing them all ends the actors' loops
 
 
 @dataclass
@@ -76,8 +73,9 @@ class Engine:
         self._drafter_identity = drafter_identity
         self._target_identity: ModelIdentity | None = None
         self._ids = itertools.count()
-        self._task_group: TaskGroup | None = None
-        self._inboxes: dict[str, ObjectSendStream[ActorMessage]] = {}
+        self._drains = itertools.count()
+        self._actors: Actors | None = None  # the latest run's (kept after it, for its final stats)
+        self._exit: AsyncExitStack | None = None
         self._pad_batches = pad_batches
 
     @property
@@ -102,46 +100,90 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> "Engine":
-        drafter_send, drafter_recv = make_inbox()
-        verifier_send, verifier_recv = make_inbox()
-        committer_send, committer_recv = make_inbox()
-        model = self.target.model
-        schedule = MODES[self.mode]
-        self.verifier = Verifier(model, self.drafter.tap_layers, verifier_recv, self._pad_batches,
-                                 schedule.verify_after_commit)
-        self.drafter_actor = Drafter(self.drafter, drafter_recv, schedule.lookahead, self._pad_batches)
-        self.committer = Committer(self.target.tokenizer, len(self.drafter.tap_layers), model.args.hidden_size,
-                                   committer_recv, log=self.log.write if self.log else None)
-        self.verifier.committer, self.verifier.drafter_inbox, self.verifier.drafter = committer_send, drafter_send, self.drafter_actor
-        self.drafter_actor.verifier_inbox, self.drafter_actor.verifier = verifier_send, self.verifier
-        self.committer.acks = [drafter_send, verifier_send]
-        self.committer.verifier, self.committer.drafter = self.verifier, self.drafter_actor
-        for actor in (self.verifier, self.drafter_actor):
-            actor.failures = committer_send
-        self._inboxes = {"drafter": drafter_send, "verifier": verifier_send, "committer": committer_send}
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        for actor in (self.drafter_actor, self.verifier, self.committer):
-            self._task_group.start_soon(actor.run)
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(self._running())
+            self._exit = stack.pop_all()
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
-        """Cancel what is still running, let the actors settle, then stop them."""
-        assert self._task_group is not None
-        for request_id in list(self.committer.requests):
-            self.cancel(request_id)
-        await self._quiesce()
-        self._task_group.cancel_scope.cancel()
-        result = await self._task_group.__aexit__(*exc_info)
-        if self.log:
-            self.log.close()
-        return result
+        """Cancel what is still running, let the actors settle, then close their inboxes."""
+        assert self._exit is not None, "the engine is not running"
+        return await self._exit.__aexit__(*exc_info)
 
-    async def _quiesce(self) -> None:
-        """Wait until every inbox is empty: all messages sent so far have been handled."""
-        while any(inbox.statistics().current_buffer_used for inbox in self._inboxes.values()):
-            await anyio.sleep(0)
-        await anyio.sleep(0)
+    def _wire(self) -> Actors:
+        """The actors, each given at construction the streams it sends on and the results it reads by handle."""
+        (to_drafter, drafter_inbox), (to_verifier, verifier_inbox), (to_committer, committer_inbox) = (
+            make_inbox(), make_inbox(), make_inbox())
+        senders = [to_drafter, to_verifier, to_committer]
+
+        def clone(stream: Outbox) -> Outbox:
+            senders.append(stream.clone())
+            return senders[-1]
+
+        model, schedule = self.target.model, MODES[self.mode]
+        drafts: RoundResults[DraftOutputs] = RoundResults()
+        verified: RoundResults[RoundOutputs] = RoundResults()
+        drafter = Drafter(self.drafter, schedule, drafter_inbox, verified=verified, verifier=clone(to_verifier),
+                          committer=clone(to_committer), results=drafts, pad_batches=self._pad_batches)
+        verifier = Verifier(model, self.drafter.tap_layers, schedule, verifier_inbox, drafts=drafts,
+                            drafter=clone(to_drafter), committer=clone(to_committer), results=verified,
+                            pad_batches=self._pad_batches)
+        committer = Committer(self.target.tokenizer, len(self.drafter.tap_layers), model.args.hidden_size, schedule,
+                              committer_inbox, verified=verified, drafts=drafts,
+                              acks=[clone(to_drafter), clone(to_verifier)], log=self.log.write if self.log else None)
+        inboxes = {"drafter": to_drafter, "verifier": to_verifier, "committer": to_committer}
+        return Actors(drafter, verifier, committer, inboxes, senders)
+
+    @asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
+        actors = self._wire()
+        try:
+            async with anyio.create_task_group() as tg:
+                for actor in (actors.drafter, actors.verifier, actors.committer):
+                    tg.start_soon(actor.run)
+                self._actors = actors
+                try:
+                    yield
+                finally:
+                    try:
+                        for request_id in list(actors.committer.requests):
+                            self.cancel(request_id)
+                        await self._settle()
+                    finally:
+                        self._exit = None
+                        for stream in actors.senders:  # the inboxes end: each actor's loop, then the group
+                            stream.close()
+        finally:
+            if self.log:
+                self.log.close()
+
+    def _running_actors(self) -> Actors:
+        if self._actors is None or self._exit is None:
+            raise RuntimeError("the engine is not running: use it as `async with engine:`")
+        return self._actors
+
+    async def _settle(self) -> None:
+        """Wait until the actors have handled every message sent so far, and those they sent in turn.
+
+        A round trip per actor (a ``Drain`` each handles once it has flushed what came before
+        it), repeated until a whole pass finds nothing new handled.
+        """
+        actors = self._actors
+        if actors is None or self._exit is None:
+            return
+        order = [("drafter", actors.drafter), ("verifier", actors.verifier), ("committer", actors.committer)]
+        while True:
+            handled = sum(actor.handled for _, actor in order)
+            for name, actor in order:
+                await self._drain(actors.inboxes[name], actor)
+            if sum(actor.handled for _, actor in order) == handled:
+                return
+
+    async def _drain(self, inbox: Outbox, actor: Actor) -> None:
+        seq = next(self._drains)
+        drained = actor.expect_drain(seq)
+        await inbox.send(Drain(seq=seq))
+        await drained.wait()
 
     # ------------------------------------------------------------------ the API
 
@@ -174,13 +216,14 @@ class Engine:
         check_context(self.target.model, len(prompt_ids), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
         admit = Admit(request_id=request_id, prompt_ids=prompt_ids, params=params)
+        actors = self._running_actors()
         send, receive = anyio.create_memory_object_stream[TokenEvent](params.max_tokens + 8)
-        self.committer.register(request_id, admit, send)
+        actors.committer.register(request_id, admit, send)
         self._log_request(admit)
         finished = False
         try:
-            await self._inboxes["drafter"].send(admit)
-            await self._inboxes["verifier"].send(admit)
+            await actors.inboxes["drafter"].send(admit)
+            await actors.inboxes["verifier"].send(admit)
             async for event in receive:
                 finished = event.finish_reason is not None
                 yield event
@@ -196,29 +239,37 @@ class Engine:
 
         Synchronous on purpose: it runs in ``finally`` blocks of cancelled callers, where
         awaiting is not possible, and it frees the request's device memory immediately.
-        Messages still in flight for it are ignored by their receivers.
+        Messages still in flight for it are ignored by their receivers. Each actor drops its
+        own state (``drop``): the engine calls it on the actors it made, none reaches another.
         """
-        for actor in (self.committer, self.drafter_actor, self.verifier):
-            actor.cancel(request_id)
+        actors = self._actors
+        if actors is None:
+            return
+        actors.committer.drop(request_id, rounds_started=actors.drafter.rounds_started(request_id))
+        actors.drafter.drop(request_id)
+        actors.verifier.drop(request_id)
         # an Admit still queued would bring the request back after this: a Cancelled queued
         # behind it drops it again; and the drafter, which may hold the other requests' next step for
         # this one (lockstep), then looks again at who is ready
         for name in ("drafter", "verifier"):
             try:
-                self._inboxes[name].send_nowait(Cancelled(request_id=request_id))
+                actors.inboxes[name].send_nowait(Cancelled(request_id=request_id))
             except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError, KeyError):
                 pass  # a full inbox will bring a flush anyway; a closed one has no actor left
 
     async def stats(self) -> EngineStats:
         """Live requests and cache bytes, once the actors have handled what is in flight."""
-        await self._quiesce()
+        await self._settle()
         return self.snapshot()
 
     def snapshot(self) -> EngineStats:
         """Live requests and cache bytes now, without waiting (for scrapes while requests run)."""
-        live = set(self.verifier.requests) | set(self.drafter_actor.requests) | set(self.committer.requests)
-        return EngineStats(len(live), self.verifier.cache_bytes + self.drafter_actor.cache_bytes,
-                           self.committer.discarded_rounds)
+        actors = self._actors
+        if actors is None:
+            return EngineStats(0, 0, 0)
+        live = set(actors.verifier.requests) | set(actors.drafter.requests) | set(actors.committer.requests)
+        return EngineStats(len(live), actors.verifier.cache_bytes + actors.drafter.cache_bytes,
+                           actors.committer.discarded_rounds)
 
     def _log_request(self, admit: Admit) -> None:
         if self.log is None:

@@ -1,4 +1,4 @@
-"""The decode-loop invariants (DFLASH.md section 2), checked on every round's record.
+"""The decode-loop invariants (docs/decode-loop.md, "Invariants"), checked on every round's record.
 
 These are real checks, not ``assert``s: they hold under ``python -O`` and each violation
 raises its own named error carrying the round's state, so a log or a test can say

@@ -22,12 +22,11 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .errors import CheckpointError, UnsupportedArchitectureError
-from .models import DecoderModel, decoder_args
+from .models import DecoderModel, build_model, decoder_args
 from .models.dflash import DFlashDrafter, drafter_args
 from .tokenizer import Tokenizer
 
 PROGRESS_MIN_BYTES = 64 << 20  # smaller files load too fast for a progress bar to help
-IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
 RANDOM_TARGET_PREFIX = "random:"  # runtime.random_targets: a published shape with random weights
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -376,12 +375,8 @@ def build_target(ckpt: Checkpoint, dtype: str = "auto") -> tuple[DecoderModel, s
     compute = _native_dtype(ckpt) if choice == "native" else DTYPES[choice]
     if choice != "native":
         _dequantize_all(ckpt, compute)
-    tensors = {k: v for k, v in ckpt.tensors.items() if not IGNORED_TENSORS.search(k)}
-    if args.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-        for suffix in ("scales", "biases"):
-            tensors.pop(f"lm_head.{suffix}", None)
-    model = DecoderModel(args)
+    model = build_model(args)
+    tensors = model.sanitize(dict(ckpt.tensors))
     if ckpt.quantized:
         specs = ckpt.quantized
         nn.quantize(

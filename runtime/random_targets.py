@@ -32,7 +32,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from .errors import CheckpointError
 from .loading import RANDOM_TARGET_PREFIX, Checkpoint, QuantSpec
-from .models import DecoderModel, decoder_args
+from .models import build_model, decoder_args
 from .tokenizer import Tokenizer
 
 PREFIX = RANDOM_TARGET_PREFIX
@@ -110,7 +110,7 @@ def random_tensors(config: dict[str, Any], seed: int) -> dict[str, mx.array]:
     """The model's tensors under HF names (lazy): MLX's default initialisation, then the
     decisive embedding and LM head described above."""
     mx.random.seed(seed)
-    tensors = dict(tree_flatten(DecoderModel(decoder_args(config)).parameters()))
+    tensors = dict(tree_flatten(build_model(decoder_args(config)).parameters()))
     embed = mx.random.normal(tensors["model.embed_tokens.weight"].shape)  # rows of norm ~sqrt(hidden)
     tensors["model.embed_tokens.weight"] = embed * EMBED_SCALE
     if "lm_head.weight" in tensors:

@@ -1,6 +1,6 @@
 """DFlash speculative decoding for one request: the sequential reference loop.
 
-Per round (DFLASH.md section 2): the drafter proposes ``B-1`` tokens for the block
+Per round (docs/decode-loop.md, "Decode loop"): the drafter proposes ``B-1`` tokens for the block
 ``[anchor, MASK...]``, the target verifies ``[anchor] + drafts`` in one forward, the
 verdict accepts a prefix of ``a`` drafts plus the target's bonus token, the target KV
 drops the ``B-a-1`` rejected positions and the drafter receives the ``a+1`` accepted

@@ -8,7 +8,8 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.verifier import RoundOutputs, Verifier
+from actors.rounds import RoundOutputs, RoundReader
+from actors.verifier import Verifier
 from protocol import GenerationParams, TokenEvent
 from runtime.engine import Engine
 from runtime.loading import LoadedModel
@@ -117,15 +118,12 @@ class CorruptedRound:
 class CorruptingView:
     """What the committer reads of the verifier, with one request's round 2 corrupted."""
 
-    def __init__(self, verifier: Verifier, victim: str, kind: str) -> None:
+    def __init__(self, verifier: RoundReader[RoundOutputs], victim: str, kind: str) -> None:
         self.verifier, self.victim, self.kind = verifier, victim, kind
 
-    def outputs(self, request_id: str, round: int) -> Any:
-        out = self.verifier.outputs(request_id, round)
+    def get(self, request_id: str, round: int) -> Any:
+        out = self.verifier.get(request_id, round)
         return CorruptedRound(out, self.kind) if (request_id, round) == (self.victim, 2) else out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.verifier, name)
 
 
 class RolledBackDraft:
@@ -145,12 +143,9 @@ class RollingBackDrafterView:
     def __init__(self, drafter: Any, victim: str) -> None:
         self.drafter, self.victim = drafter, victim
 
-    def outputs(self, request_id: str, round: int) -> Any:
-        out = self.drafter.outputs(request_id, round)
+    def get(self, request_id: str, round: int) -> Any:
+        out = self.drafter.get(request_id, round)
         return RolledBackDraft(out) if (request_id, round) == (self.victim, 2) else out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.drafter, name)
 
 
 @pytest.mark.parametrize("mode", ["pipelined", "pipelined2"])
@@ -162,10 +157,11 @@ def test_a_corrupted_verdict_ends_only_its_request_with_the_named_error(tiny_lla
 
     async def main() -> Any:
         async with Engine(tiny_llama, tiny_drafter, mode=mode) as engine:
+            committer = engine._running_actors().committer
             if kind == "no-rollback":
-                engine.committer.drafter = RollingBackDrafterView(engine.committer.drafter, "req-0")  # type: ignore[assignment]
+                committer.drafts = RollingBackDrafterView(committer.drafts, "req-0")
             else:
-                engine.committer.verifier = CorruptingView(engine.committer.verifier, "req-0", kind)  # type: ignore[assignment]
+                committer.verified = CorruptingView(committer.verified, "req-0", kind)
             outcomes: dict[int, Any] = {}
 
             async def one(i: int) -> None:
@@ -338,7 +334,7 @@ def test_a_request_cancelled_while_its_admit_is_still_queued_leaves_no_state(
         async with Engine(tiny_llama, tiny_drafter) as engine:
             admit = Admit(request_id="late", prompt_ids=PROMPTS[3], params=GenerationParams(max_tokens=8))
             for name in ("drafter", "verifier"):  # queued, not yet handled by either actor
-                engine._inboxes[name].send_nowait(admit)
+                engine._running_actors().inboxes[name].send_nowait(admit)
             engine.cancel("late")
             with anyio.fail_after(30):  # a drafter still holding "late" would make the next request wait for it
                 return await engine.stats(), (await collect(engine, PROMPTS[4], GenerationParams(max_tokens=8)))[0]
@@ -459,7 +455,8 @@ def test_a_batch_keeps_its_stacked_caches_while_its_requests_stay_together(
     assert batched >= 10 and built <= batched // 3, (built, batched)  # rebuilt only when membership changed
     drafted = len({id(layers) for layers in draft_stacks})
     assert len(draft_stacks) >= 10 and drafted <= len(draft_stacks) // 3, (drafted, len(draft_stacks))
-    for actor in (engine.verifier, engine.drafter_actor):  # released at the end
+    assert engine._actors is not None
+    for actor in (engine._actors.verifier, engine._actors.drafter):  # released at the end
         assert actor._stack.layers is None and actor.cache_bytes == 0
 
 
@@ -473,7 +470,7 @@ def test_a_failed_verify_on_a_kept_stack_is_retried_per_request_from_the_same_st
 
     def flaky_advance(self: StackedKVCache, n: Any) -> None:
         real_advance(self, n)
-        stack = engine.verifier._stack.layers
+        stack = engine._running_actors().verifier._stack.layers
         if stack is not None and self is stack[0]:
             injected.step(stack)
 

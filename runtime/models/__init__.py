@@ -1,7 +1,9 @@
 """Target model families and the DFlash drafter.
 
-Each family module exposes ``ARCHITECTURES``, ``MODEL_TYPES`` and ``args_from_config``;
-all of them build the same :class:`DecoderModel`.
+Each family module (llama.py, qwen3.py) is a model file in mlx-lm's shape and exposes
+``ARCHITECTURES``, ``MODEL_TYPES``, ``ModelArgs``, ``Model`` and ``args_from_config``;
+every ``Model`` is a :class:`DecoderModel`, the runtime's one interface to a target
+(runtime/models/decoder.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Any
 
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from . import llama, qwen3
-from .base import DecoderArgs, DecoderModel, ForwardOutput
+from .base import DecoderArgs
+from .decoder import DecoderModel, ForwardOutput
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3)
 
@@ -40,4 +43,10 @@ def decoder_args(config: dict[str, Any]) -> DecoderArgs:
         ) from None
 
 
-__all__ = ["DecoderArgs", "DecoderModel", "ForwardOutput", "decoder_args", "family_for"]
+def build_model(args: DecoderArgs) -> DecoderModel:
+    """The family's ``Model`` for ``args`` (from :func:`decoder_args`)."""
+    family = next(f for f in FAMILIES if args.model_type in f.MODEL_TYPES)
+    return family.Model(args)
+
+
+__all__ = ["DecoderArgs", "DecoderModel", "ForwardOutput", "build_model", "decoder_args", "family_for"]

@@ -32,7 +32,9 @@ from mlx.utils import tree_flatten
 from ..cache import DeviceKVCache, KVCache, advance_layers, bucketed, cache_arrays, traced_caches
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from .attention import cache_attention, uses_kernel
-from .base import MLP, DecoderModel, RoPE, TransposedLinear, concatenated
+from .base import RoPE
+from .decoder import DecoderModel, TransposedLinear, concatenated
+from .llama import MLP
 from .steps import CompiledSteps, default_compile_steps, traceable
 
 ARCHITECTURE = "DFlashDraftModel"

@@ -1,7 +1,7 @@
 """Compiled steps: a model's forward over device caches, traced once per configuration.
 
 On the GPU a round is bound by the host: each op costs microseconds to build and queue
-(PLATFORM.md; ``python -m runtime.profile`` measures it), so a 30-layer verify spends
+(docs/decode-loop.md, "Pipelining"; ``python -m runtime.profile`` measures it), so a 30-layer verify spends
 more time on the host than on the device. ``mx.compile`` traces a step once and replays
 it, fusing what it can. A trace must see only the step's arrays: the caches enter as
 inputs and leave as outputs (runtime.cache.TracedKVCache). Attention then reads the
