@@ -19,6 +19,7 @@ from runtime.plain import plain_steps
 from runtime.sampling import Sampler
 from runtime.training.batches import block_labels, make_micro_batch, sample_anchors, training_mask
 from runtime.training.corpora import DataError, Prompt, even_shares, file_prompts, is_heldout, load_prompts
+from runtime.training import data as data_module
 from runtime.training.data import Example, GenerationLimits, ResponseCache, build_examples, greedy_batch
 from runtime.training.average import average_drafters
 from runtime.training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter, write_z_lab_folder
@@ -198,6 +199,28 @@ def test_batched_regeneration_equals_one_at_a_time_greedy(tiny_llama: LoadedMode
     for prompt, row in zip(prompts, batched):
         steps = plain_steps(model, prompt, greedy)
         assert row == [next(steps) for _ in range(12)]
+
+
+def test_regeneration_drops_finished_rows_and_each_still_equals_one_at_a_time_greedy(
+        tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama.model
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (9, 4, 7, 9, 1, 6, 3, 8)]
+    greedy = Sampler(GenerationParams(temperature=0.0))
+    alone = [[t for _, t in zip(range(24), plain_steps(model, p, greedy))] for p in prompts]
+    # stop tokens that end the rows at different steps, so rows leave the batch while others run
+    ends = sorted({row[k] for row, k in zip(alone, (2, 5, 9, 13, 30, 30, 30, 30)) if k < 24})
+    stops = frozenset(ends)
+    calls: list[int] = []
+    keep_rows = data_module.LeftPaddedKVCache.keep_rows
+    monkeypatch.setattr(data_module, "COMPACT_EVERY", 2)
+    monkeypatch.setattr(data_module.LeftPaddedKVCache, "keep_rows",
+                        lambda self, rows: (calls.append(rows.size), keep_rows(self, rows))[1])
+    batched = greedy_batch(model, prompts, max_new=24, stop_ids=stops)
+    assert calls, "finished rows were never dropped"
+    for row, expected in zip(batched, alone):
+        cut = next((i + 1 for i, t in enumerate(expected) if t in stops), len(expected))
+        assert row == expected[:cut]
 
 
 def test_regeneration_cuts_at_the_stop_token_and_is_cached(tmp_path: Path, tiny_llama: LoadedModel) -> None:

@@ -96,6 +96,11 @@ class LeftPaddedKVCache(KVCache):
         mask = ((key_pos <= query_pos)[None] & real) | (key_pos == query_pos)[None]
         return end, mask[:, None]
 
+    def keep_rows(self, rows: mx.array) -> None:
+        """Keep only batch rows ``rows`` (in that order): the others' requests have ended."""
+        assert self.keys is not None and self.values is not None
+        self.keys, self.values, self.pad = self.keys[rows], self.values[rows], self.pad[rows]
+
 
 def _cut_at_stop(row: Sequence[int], stop_ids: frozenset[int]) -> list[int]:
     """The row up to and including its first stop token (the drafter learns to end, too)."""
@@ -105,29 +110,48 @@ def _cut_at_stop(row: Sequence[int], stop_ids: frozenset[int]) -> list[int]:
     return list(row)
 
 
+COMPACT_EVERY = 16  # steps between checks for finished rows to drop from the batch
+COMPACT_BELOW = 0.75  # drop them once fewer than this share of the batch's rows still run
+
+
 def greedy_batch(model: DecoderModel, prompts: Sequence[Sequence[int]], max_new: int,
                  stop_ids: frozenset[int]) -> list[list[int]]:
-    """Greedy continuations of ``prompts``, decoded together (left-padded) in one batch."""
+    """Greedy continuations of ``prompts``, decoded together (left-padded) in one batch.
+
+    Rows that have stopped are dropped from the batch every few steps (their caches'
+    rows gathered out), so a batch whose responses end early stops paying for them:
+    a step's cost grows with the rows it carries.
+    """
     width = max(len(p) for p in prompts)
     pad = [width - len(p) for p in prompts]
     tokens = mx.array([[PAD_TOKEN] * n + list(p) for n, p in zip(pad, prompts)])
     cache = [LeftPaddedKVCache(mx.array(pad)) for _ in range(model.num_layers)]
     token = mx.argmax(model(tokens, cache, last_only=True).logits[:, -1], axis=-1)
-    steps: list[np.ndarray] = []
+    out = np.zeros((len(prompts), max_new), dtype=np.int64)
+    rows = np.arange(len(prompts))  # the prompt each batch row decodes
     stopped = np.zeros(len(prompts), dtype=bool)
+    stops = np.array(sorted(stop_ids), dtype=np.int64)
+    written = 0
     for step in range(max_new):
         last = step + 1 == max_new
         # queue the next step before reading this one, so the device never waits on Python
         next_token = None if last else mx.argmax(model(token[:, None], cache).logits[:, -1], axis=-1)
         if next_token is not None:
             mx.async_eval(next_token)
-        steps.append(np.array(token))
-        stopped |= np.isin(steps[-1], list(stop_ids))
+        out[rows, step] = np.array(token)
+        written = step + 1
+        stopped[rows] |= np.isin(out[rows, step], stops)
         if stopped.all() or next_token is None:
             break
         token = next_token
-    rows = np.stack(steps, axis=1)
-    return [_cut_at_stop(row.tolist(), stop_ids) for row in rows]
+        if written % COMPACT_EVERY == 0:
+            running = np.flatnonzero(~stopped[rows])
+            if len(running) < COMPACT_BELOW * len(rows):
+                keep = mx.array(running)
+                for layer in cache:
+                    layer.keep_rows(keep)
+                token, rows = token[keep], rows[running]
+    return [_cut_at_stop(row.tolist(), stop_ids) for row in out[:, :written]]
 
 
 def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> Iterator[list[int]]:
