@@ -25,9 +25,10 @@ from .defaults import default_model_path
 from .errors import RuntimeErrorBase
 from .loading import DTYPES, LoadedModel, load_drafter, load_target
 from .training.corpora import HELDOUT_FRACTION, SOURCE_NAMES, load_prompts
-from .training.data import Example, GenerationLimits, ResponseCache, build_examples, cache_file
+from .training.data import Example, GenerationLimits, ResponseCache, cache_file, regenerated
 from .training.drafter import (DrafterShape, choose_mask_token, drafter_config, grown_config, grown_drafter, new_drafter,
                                parameter_count, save_drafter)
+from .training.followups import follow_up_prompts
 from .training.trainer import StepStats, Trainer, TrainSettings, can_train_on
 
 DEFAULT_CACHE_DIR = Path("~/.cache/dflash-runtime/regenerated")
@@ -48,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION, help="share of prompts held out (by hash)")
     p.add_argument("--eval-samples", type=int, default=64, help="held-out sequences scored after each epoch")
     p.add_argument("--gen-batch-size", type=int, default=16, help="prompts regenerated together")
+    p.add_argument("--follow-ups", type=int, default=0, metavar="N",
+                   help="also continue N regenerated chats with a user's next message (multi-turn data)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where regenerated responses are kept")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
@@ -128,8 +131,8 @@ def summary(run: Run, args: argparse.Namespace, drafter_params: int) -> str:
         f"{dflash['target_layer_ids']}; block {dflash['block_size']}; mask {dflash['mask_token_id']} {mask_text!r}",
         f"training {args.epochs} epochs, batch {args.batch_size} (micro {args.micro_batch}), {args.anchors_per_seq} "
         f"anchors/seq, lr {args.lr} (warm-up {args.warmup:.0%}, cosine), clip {args.grad_clip}, seed {args.seed}",
-        f"data     {' '.join(args.data)}: {args.samples} prompts, responses <= {args.max_new_tokens} new tokens, "
-        f"sequences <= {args.max_seq_len}",
+        f"data     {' '.join(args.data)}: {args.samples} prompts, {args.follow_ups} follow-ups, responses <= "
+        f"{args.max_new_tokens} new tokens, sequences <= {args.max_seq_len}",
     ])
 
 
@@ -137,8 +140,12 @@ def regenerate(run: Run, args: argparse.Namespace) -> list[Example]:
     limits = GenerationLimits(args.max_new_tokens, args.max_seq_len)
     cache = ResponseCache(cache_file(args.cache_dir.expanduser(), run.target.content_hash(), run.dtype))
     prompts = load_prompts(args.data, args.samples, args.seed)
-    return build_examples(run.target.model, run.target.tokenizer, prompts, limits, cache,
-                          args.heldout_fraction, args.gen_batch_size)
+    model, tokenizer = run.target.model, run.target.tokenizer
+    pairs = regenerated(model, tokenizer, prompts, limits, cache, args.heldout_fraction, args.gen_batch_size)
+    if args.follow_ups:
+        turns = follow_up_prompts(pairs, tokenizer, args.follow_ups, args.seed)
+        pairs += regenerated(model, tokenizer, turns, limits, cache, args.heldout_fraction, args.gen_batch_size)
+    return [example for _, example in pairs]
 
 
 def data_summary(examples: list[Example]) -> str:

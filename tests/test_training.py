@@ -20,7 +20,8 @@ from runtime.sampling import Sampler
 from runtime.training.batches import block_labels, make_micro_batch, sample_anchors, training_mask
 from runtime.training.corpora import DataError, Prompt, even_shares, file_prompts, is_heldout, load_prompts
 from runtime.training import data as data_module
-from runtime.training.data import Example, GenerationLimits, ResponseCache, build_examples, greedy_batch
+from runtime.training.data import Example, GenerationLimits, ResponseCache, build_examples, greedy_batch, regenerated
+from runtime.training.followups import follow_up_prompts
 from runtime.training.average import average_drafters
 from runtime.training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter, write_z_lab_folder
 from runtime.training.trainer import Trainer, TrainSettings, block_logits
@@ -238,6 +239,32 @@ def test_regeneration_cuts_at_the_stop_token_and_is_cached(tmp_path: Path, tiny_
     again = build_examples(tiny_llama.model, tiny_llama.tokenizer, prompts, limits,
                            ResponseCache(tmp_path / "responses.jsonl"), heldout_fraction=0.5)
     assert again == made and (tmp_path / "responses.jsonl").read_text().splitlines() == lines
+
+
+def test_follow_ups_continue_finished_training_chats_with_the_targets_own_reply(
+        tmp_path: Path, tiny_llama: LoadedModel) -> None:
+    tokenizer = tiny_llama.tokenizer
+    eos = min(tokenizer.eos_token_ids)
+    pairs = []
+    for i in range(8):
+        prompt = Prompt("chat", messages=(("user", f"question {i}?"),))
+        ended = i != 6  # reply 6 was cut at the length cap: nobody answers half a reply
+        response = tokenizer.encode(f"answer {i}.", add_special_tokens=False) + ([eos] if ended else [])
+        pairs.append((prompt, Example(f"k{i}", [1, 2, 3], response, "chat", "heldout" if i == 7 else "train")))
+    pairs.append((Prompt("code-def", text="def f():"), Example("raw", [4, 5], [6, eos], "code-def", "train")))
+    made = follow_up_prompts(pairs, tokenizer, count=10, seed=0)
+    assert len(made) == 6 and made == follow_up_prompts(pairs, tokenizer, count=10, seed=0)
+    by_question = {p.messages[0][1]: p for p in made}
+    assert set(by_question) == {f"question {i}?" for i in range(6)}
+    for i in range(6):
+        (_, question), (role, reply), (last_role, ask) = by_question[f"question {i}?"].messages
+        assert (role, reply, last_role) == ("assistant", f"answer {i}.", "user") and ask.strip()
+        assert by_question[f"question {i}?"].source == "chat+follow-up"
+    assert len(follow_up_prompts(pairs, tokenizer, count=2, seed=0)) == 2
+    limits = GenerationLimits(max_new_tokens=6, max_seq_len=256)
+    cache = ResponseCache(tmp_path / "responses.jsonl")
+    for prompt, example in regenerated(tiny_llama.model, tokenizer, made[:2], limits, cache, heldout_fraction=0.0):
+        assert prompt.messages[1][1] in tokenizer.decode(example.prompt_ids) and example.response_ids
 
 
 # ---------------------------------------------------------------- prompts

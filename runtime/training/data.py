@@ -203,6 +203,14 @@ def build_examples(
     cache: ResponseCache, heldout_fraction: float, batch_size: int = 16,
 ) -> list[Example]:
     """Examples for ``prompts`` in order, generating (and caching) the ones not cached yet."""
+    return [example for _, example in regenerated(model, tokenizer, prompts, limits, cache, heldout_fraction, batch_size)]
+
+
+def regenerated(
+    model: DecoderModel, tokenizer: Tokenizer, prompts: Sequence[Prompt], limits: GenerationLimits,
+    cache: ResponseCache, heldout_fraction: float, batch_size: int = 16,
+) -> list[tuple[Prompt, Example]]:
+    """:func:`build_examples`, each example with its prompt (a prompt with no room for a response has none)."""
     pending: list[_Pending] = []
     for prompt in prompts:
         ids = render_prompt(prompt, tokenizer)
@@ -213,7 +221,7 @@ def build_examples(
     missing = {p.key: p for p in pending if p.key not in cache.examples}  # dict: one per key
     _generate_missing(model, list(missing.values()), tokenizer.eos_token_ids, limits, cache, batch_size)
     # source and split come from the prompt now, not from whichever run cached the response
-    return [replace(cache.examples[p.key], source=p.prompt.source, split=p.split) for p in pending]
+    return [(p.prompt, replace(cache.examples[p.key], source=p.prompt.source, split=p.split)) for p in pending]
 
 
 def _generate_missing(model: DecoderModel, todo: list[_Pending], stop_ids: frozenset[int],
