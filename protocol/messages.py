@@ -19,7 +19,7 @@ class Message(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
 
 
 class Admit(Message, tag="admit"):
-    """A new request (engine -> verifier, which prefills it)."""
+    """A new request (engine -> drafter, and -> verifier, which prefills it)."""
 
     prompt_ids: list[int]
     params: GenerationParams

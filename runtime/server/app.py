@@ -97,6 +97,7 @@ class Admission:
         self.running = self.waiting = 0
         self.draining = False
         self._slots = anyio.Semaphore(max_concurrent)
+        self._idle: anyio.Event | None = None  # set when the last request leaves (wait_idle waits on it)
 
     def retry_after(self) -> str:
         """Seconds until a slot is likely free: the queue ahead, served max_concurrent at a time."""
@@ -121,6 +122,7 @@ class Admission:
         finally:
             self.waiting -= 1
             self.metrics.set_queued(self.waiting)
+            self._left()
         if waited.cancelled_caught:
             raise self.unavailable(f"no generation slot became free within {timeout:g} s")
         self.running += 1
@@ -132,11 +134,17 @@ class Admission:
         self.running -= 1
         self.metrics.set_running(self.running)
         self._slots.release()
+        self._left()
+
+    def _left(self) -> None:
+        if self._idle is not None and not (self.running or self.waiting):
+            self._idle.set()
 
     async def wait_idle(self, timeout: float) -> None:
         with anyio.move_on_after(timeout):
             while self.running or self.waiting:
-                await anyio.sleep(0.02)
+                self._idle = anyio.Event()
+                await self._idle.wait()
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
