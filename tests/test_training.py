@@ -214,9 +214,13 @@ def test_regeneration_drops_finished_rows_and_each_still_equals_one_at_a_time_gr
     stops = frozenset(ends)
     calls: list[int] = []
     keep_rows = data_module.LeftPaddedKVCache.keep_rows
+
+    def counted_keep_rows(self: data_module.LeftPaddedKVCache, rows: mx.array) -> None:
+        calls.append(rows.size)
+        keep_rows(self, rows)
+
     monkeypatch.setattr(data_module, "COMPACT_EVERY", 2)
-    monkeypatch.setattr(data_module.LeftPaddedKVCache, "keep_rows",
-                        lambda self, rows: (calls.append(rows.size), keep_rows(self, rows))[1])
+    monkeypatch.setattr(data_module.LeftPaddedKVCache, "keep_rows", counted_keep_rows)
     batched = greedy_batch(model, prompts, max_new=24, stop_ids=stops)
     assert calls, "finished rows were never dropped"
     for row, expected in zip(batched, alone):

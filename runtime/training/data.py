@@ -138,9 +138,10 @@ def greedy_batch(model: DecoderModel, prompts: Sequence[Sequence[int]], max_new:
         next_token = None if last else mx.argmax(model(token[:, None], cache).logits[:, -1], axis=-1)
         if next_token is not None:
             mx.async_eval(next_token)
-        out[rows, step] = np.array(token)
+        host = np.array(token)
+        out[rows, step] = host
         written = step + 1
-        stopped[rows] |= np.isin(out[rows, step], stops)
+        stopped[rows] |= np.isin(host, stops)
         if stopped.all() or next_token is None:
             break
         token = next_token
