@@ -36,7 +36,7 @@ from protocol import (
 )
 from runtime.acceptance import stacked_verdicts
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
-from runtime.cache import ATTENTION_BUCKET, DeviceKVCache, KeptStack, advance_layers, round_up
+from runtime.cache import DeviceKVCache, KeptStack, advance_layers
 from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
@@ -45,9 +45,8 @@ from .mailbox import DeviceStateOwner, Inbox, Outbox, send_burst
 from .rounds import DraftOutputs, RoundOutputs, RoundReader, RoundResults, VerifiedRow
 from .schedule import NONE, PREFILL, Schedule
 
-PREFILL_BUCKET = ATTENTION_BUCKET
 
-__all__ = ["PREFILL_BUCKET", "RoundOutputs", "VerifiedRow", "Verifier"]
+__all__ = ["RoundOutputs", "VerifiedRow", "Verifier"]
 
 
 @dataclass
@@ -114,18 +113,10 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
         check_context(self.target, len(message.prompt_ids), message.params.max_tokens)
         request = VerifierRequest(message.params, Sampler(message.params), self.target.make_device_cache(), len(message.prompt_ids))
         queued = time.perf_counter()
-        n = len(message.prompt_ids)
-        # right-padded to whole buckets: prompts then come in few shapes, and backends that
-        # build kernels per shape (cuDNN attention on CUDA) build them a few times, not per
-        # prompt; the padding lies past the valid length, never attended, overwritten later
-        padded = message.prompt_ids + [message.prompt_ids[-1]] * (round_up(n, PREFILL_BUCKET) - n)
-        out = self.target(mx.array([padded]), request.cache, tap_layers=self.tap_layers, logits_row=n - 1)
+        out = self.target.prefill(message.prompt_ids, request.cache, self.tap_layers)
         assert out.taps is not None
         first = request.sampler.sample(out.logits[:, -1])[0].astype(mx.int32)
-        prompt_len = mx.array(n, dtype=mx.int32)
-        advance_layers(request.cache, prompt_len)
-        for layer in request.cache:
-            layer.settle(n)
+        prompt_len = request.cache[0].length
         zero = mx.array([0], dtype=mx.int32)
         readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1)])
         self.results.put(message.request_id, PREFILL, RoundOutputs(first, out.taps, prompt_len, readout, 0, 0))

@@ -30,7 +30,6 @@ import anyio
 import mlx.core as mx
 import mlx.nn as nn
 
-from actors.verifier import PREFILL_BUCKET
 from protocol import GenerationParams
 from runtime.bench import (
     divergence_summary,
@@ -43,6 +42,7 @@ from runtime.cache import advance_layers, round_up
 from runtime.defaults import default_drafter_path, default_model_path
 from runtime.loading import LoadedModel, load_drafter, load_target
 from runtime.models.attention import cache_attention
+from runtime.models.decoder import PREFILL_BUCKET
 
 
 def say(kind: str, **fields: Any) -> None:

@@ -423,6 +423,7 @@ def load_checkpoint(ckpt: Checkpoint, dtype: str = "auto", fuse: bool = True) ->
     model, compute = build_target(ckpt, dtype)
     if fuse:
         model.fuse_projections()
+        model.use_batch_invariant_projections()
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=ckpt.config, source=ckpt.source,
         format=ckpt.format, compute_dtype=compute, quantized=bool(ckpt.quantized),

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from protocol import GenerationParams
 
+from .cache import advance_layers
 from .errors import ContextLengthError
 from .models import DecoderModel
 from .sampling import Sampler, check_params
@@ -51,14 +52,23 @@ def check_context(model: DecoderModel, prompt_len: int, max_tokens: int) -> None
 
 
 def plain_steps(model: DecoderModel, prompt_ids: Sequence[int], sampler: Sampler) -> Iterator[int]:
-    """Yield tokens forever; step n+1 is queued on the device before step n is read."""
-    cache = model.make_cache()
-    logits = model(mx.array([list(prompt_ids)]), cache, last_only=True).logits[:, -1]
-    token = sampler.sample(logits)
+    """Yield tokens forever; step n+1 is queued on the device before step n is read.
+
+    Each token comes from the verifier's own one-token forward: the prompt prefilled as the
+    verifier does, then steps over the same device caches, so that speculative output can
+    equal plain decoding bit for bit in half precision too (docs/exactness.md).
+    """
+    cache = model.make_device_cache()
+    token = sampler.sample(model.prefill(prompt_ids, cache).logits[:, -1])
     mx.async_eval(token)
+    length = len(prompt_ids)
     while True:
         next_token = sampler.sample(model(token[:, None], cache).logits[:, -1])
+        advance_layers(cache, 1)
         mx.async_eval(next_token)
+        length += 1
+        for layer in cache:
+            layer.settle(length)
         yield int(token.item())
         token = next_token
 

@@ -17,12 +17,14 @@ from typing import Any, NamedTuple, Sequence
 import mlx.core as mx
 from mlx import nn
 
-from ..cache import DeviceKVCache, KVCache, cache_arrays, traced_caches
+from ..cache import ATTENTION_BUCKET, DeviceKVCache, KVCache, advance_layers, cache_arrays, round_up, traced_caches
 from .attention import cache_attention, uses_kernel
 from .base import DecoderArgs
+from .batch_invariant import batch_invariant
 from .steps import CompiledSteps, default_compile_steps, traceable
 
 Cache = KVCache | DeviceKVCache
+PREFILL_BUCKET = ATTENTION_BUCKET  # prompts are prefilled right-padded to whole buckets
 AttentionMask = tuple[int, mx.array | None]  # a cache's attention_mask for one forward: (extent, mask)
 
 
@@ -78,6 +80,15 @@ class TransposedLinear(nn.Module):
         return x @ self.weight_t
 
 
+def dense_weight(layer: nn.Module) -> mx.array | None:
+    """A dense projection's or embedding's weight as ``[out, in]``; None for a quantized one."""
+    if isinstance(layer, TransposedLinear):
+        return layer.weight_t.T
+    if type(layer) in (nn.Linear, nn.Embedding):
+        return layer.weight
+    return None
+
+
 def concatenated(parts: Sequence[nn.Module]) -> nn.Module | None:
     """One projection whose outputs are ``parts``' outputs side by side; None if they differ in kind.
 
@@ -130,6 +141,8 @@ class DecoderModel(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """The LM head on already-normed hidden states (tied embeddings act as a linear)."""
+        if "tied_head" in self:
+            return self.tied_head(hidden)
         if "lm_head" in self:
             return self.lm_head(hidden)
         return self.model.embed_tokens.as_linear(hidden)
@@ -153,6 +166,23 @@ class DecoderModel(nn.Module):
         if self.compile_steps and traceable(cache) and not last_only and logits_row is None:
             return self._compiled_forward(tokens, cache, tuple(tap_layers))  # type: ignore[arg-type]
         return self._forward(tokens, cache, tap_layers, last_only, logits_row)
+
+    def prefill(self, prompt_ids: Sequence[int], cache: Sequence[DeviceKVCache],
+                tap_layers: Sequence[int] = ()) -> ForwardOutput:
+        """The prompt into empty device caches; logits ``[1, 1, V]`` of its last token.
+
+        The verifier and plain decoding both start here, so their caches hold the same bits.
+        Right-padded to whole buckets: prompts then come in few shapes, and backends that build
+        kernels per shape (cuDNN attention on CUDA) build them a few times, not per prompt; the
+        padding lies past the valid length, never attended, overwritten later.
+        """
+        n = len(prompt_ids)
+        padded = list(prompt_ids) + [prompt_ids[-1]] * (round_up(n, PREFILL_BUCKET) - n)
+        out = self(mx.array([padded]), cache, tap_layers=tap_layers, logits_row=n - 1)
+        advance_layers(cache, mx.array(n, dtype=mx.int32))
+        for layer in cache:
+            layer.settle(n)
+        return out
 
     def _compiled_forward(self, tokens: mx.array, cache: Sequence[DeviceKVCache], tap_layers: tuple[int, ...]) -> ForwardOutput:
         logits, taps = self._steps.run(cache, tokens.shape[1], tap_layers, lambda extent: partial(
@@ -190,6 +220,28 @@ class DecoderModel(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         mx.eval(self.parameters())  # once, here: lazy concatenations would be recomputed by every forward
+
+    def use_batch_invariant_projections(self) -> bool:
+        """Compute every projection and the LM head with the batch-invariant kernel
+        (runtime.models.batch_invariant), so a verify's rows equal one-token steps bit for bit;
+        False (and nothing changed) where it does not apply to all of them: the CPU, 8-bit weights.
+        """
+        owners = [(layer.self_attn, name) for layer in self.model.layers for name in ("qkv_proj", "o_proj")]
+        owners += [(layer.mlp, name) for layer in self.model.layers for name in ("gate_up_proj", "down_proj")]
+        owners = [(owner, name) for owner, name in owners if name in owner]
+        head = self.lm_head if "lm_head" in self else self.model.embed_tokens
+        twins = [batch_invariant(owner[name], dense_weight(owner[name])) for owner, name in owners]
+        head_twin = batch_invariant(head, dense_weight(head))
+        if not owners or head_twin is None or any(twin is None for twin in twins):
+            return False
+        for (owner, name), twin in zip(owners, twins):
+            owner[name] = twin
+        if "lm_head" in self:
+            self.lm_head = head_twin
+        else:
+            self.tied_head = head_twin
+        mx.eval(self.parameters())
+        return True
 
     def make_cache(self) -> list[KVCache]:
         """Per-layer caches; the batch axis comes from the first write."""

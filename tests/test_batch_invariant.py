@@ -1,0 +1,109 @@
+"""Batch-invariant projections (runtime.models.batch_invariant): a row's bits never depend on its batch,
+so the engine's output equals plain greedy decoding on a GPU in half precision.
+
+The kernel runs on a GPU only (CI has none: `python -m pytest tests/test_batch_invariant.py` on
+the GPU machine runs those tests); on the CPU the models keep MLX's matmuls, which the last
+test checks, and the engine's outputs equal plain greedy there in float32 (tests/test_engine.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import mlx.core as mx
+import pytest
+
+from protocol import GenerationParams
+from runtime.bench import DEFAULT_PROMPTS, read_prompts, run_plain, run_together
+from runtime.defaults import default_drafter_path, default_model_path
+from runtime.loading import load_drafter, load_target
+from runtime.models.batch_invariant import (
+    MAX_ROWS,
+    BatchInvariantLinear,
+    BatchInvariantQuantizedLinear,
+    applies,
+    batch_invariant_matmul,
+    batch_invariant_quantized_matmul,
+)
+from runtime.models.decoder import TransposedLinear
+
+on_gpu = pytest.mark.skipif(not applies(mx.zeros((8, 8), dtype=mx.bfloat16)), reason="the kernel runs on a GPU")
+
+
+def random(shape: tuple[int, ...], dtype: mx.Dtype, seed: int) -> mx.array:
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("outputs,inner", [(576, 576), (49152, 576), (576, 1536), (37, 24)])
+def test_kernel_matches_a_float32_product(dtype: mx.Dtype, outputs: int, inner: int) -> None:
+    x, w = random((19, inner), dtype, 1), random((outputs, inner), dtype, 2) * 0.05
+    want = x.astype(mx.float32) @ w.astype(mx.float32).T
+    got = batch_invariant_matmul(x, w).astype(mx.float32)
+    # one rounding to the 16-bit type: half an ulp of the largest output
+    assert float(mx.abs(got - want).max()) <= float(mx.abs(want).max()) * (2**-8 if dtype == mx.bfloat16 else 2**-11)
+
+
+@on_gpu
+@pytest.mark.parametrize("rows", [2, 7, 16, 40, MAX_ROWS])
+def test_a_row_alone_has_the_bits_it_has_in_any_batch(rows: int) -> None:
+    x, w = random((rows, 576), mx.bfloat16, 3), random((1000, 576), mx.bfloat16, 4) * 0.05
+    together = batch_invariant_matmul(x, w)
+    alone = mx.concatenate([batch_invariant_matmul(x[i : i + 1], w) for i in range(rows)])
+    assert mx.array_equal(together, alone)
+    # the batch's shape does not matter either: [B, L, in] as one block of rows
+    assert mx.array_equal(batch_invariant_matmul(x.reshape(1, rows, 576), w)[0], alone)
+
+
+@on_gpu
+def test_kernel_inside_a_compiled_step_gives_the_eager_bits() -> None:
+    x, w = random((16, 576), mx.bfloat16, 5), random((576, 576), mx.bfloat16, 6)
+    layer = BatchInvariantLinear(w, random((576,), mx.bfloat16, 7))
+    assert mx.array_equal(mx.compile(layer)(x), layer(x))
+
+
+@on_gpu
+def test_more_rows_than_the_limit_go_to_mlx_matmul() -> None:
+    x, w = random((MAX_ROWS + 1, 64), mx.bfloat16, 8), random((32, 64), mx.bfloat16, 9)
+    assert mx.array_equal(batch_invariant_matmul(x, w), x @ w.T)
+
+
+@on_gpu
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_quantized_kernel_matches_the_dequantized_float32_product(group_size: int, dtype: mx.Dtype) -> None:
+    w, scales, biases = mx.quantize(random((1000, 576), mx.float32, 10) * 0.05, group_size=group_size, bits=4)
+    scales, biases = scales.astype(dtype), biases.astype(dtype)
+    x = random((19, 576), dtype, 11)
+    want = x.astype(mx.float32) @ mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
+                                                group_size=group_size, bits=4).T
+    got = batch_invariant_quantized_matmul(x, w, scales, biases, group_size).astype(mx.float32)
+    assert float(mx.abs(got - want).max()) <= float(mx.abs(want).max()) * (2**-8 if dtype == mx.bfloat16 else 2**-11)
+    alone = mx.concatenate([batch_invariant_quantized_matmul(x[i : i + 1], w, scales, biases, group_size) for i in range(19)])
+    assert mx.array_equal(batch_invariant_quantized_matmul(x, w, scales, biases, group_size), alone)
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", ["native", "bfloat16"])  # native: the 4-bit model as shipped, fp16 activations
+def test_smollm2_engine_output_equals_plain_greedy(dtype: str) -> None:
+    target = load_target(default_model_path(), dtype=dtype)
+    assert isinstance(target.model.model.layers[0].mlp.down_proj, (BatchInvariantLinear, BatchInvariantQuantizedLinear))
+    drafter = load_drafter(default_drafter_path(), target)
+    params = GenerationParams(max_tokens=128)
+    prompts = [ids for _, ids in read_prompts(DEFAULT_PROMPTS, target)]
+    want = [run_plain(target, ids, params).token_ids for ids in prompts]
+    got = anyio.run(run_together, target, drafter, prompts, params, "pipelined").results
+    assert [tokens for tokens, _ in got] == want
+    alone = [anyio.run(run_together, target, drafter, [ids], params, "pipelined").results[0][0] for ids in prompts]
+    assert alone == want
+
+
+def test_on_the_cpu_the_models_keep_mlx_matmuls(tiny_llama_dir: Path) -> None:
+    target = load_target(tiny_llama_dir, dtype="float16")
+    layer = target.model.model.layers[0]
+    if mx.default_device() == mx.gpu:
+        pytest.skip("a GPU takes the kernel")
+    assert not target.model.use_batch_invariant_projections()
+    assert isinstance(layer.self_attn.qkv_proj, TransposedLinear) and "tied_head" not in target.model
