@@ -47,7 +47,7 @@ def main() -> None:
         s, b = s.astype(mx.float16), b.astype(mx.float16)
         del w
         compare(name, "4-bit", k, lambda x: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=64, bits=4),
-                lambda x, p: batch_invariant_quantized_matmul(x, q, s, b, 64, p))
+                lambda x, p: batch_invariant_quantized_matmul(x, q, s, b, 64, 4, p))
 
 
 if __name__ == "__main__":

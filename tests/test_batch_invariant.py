@@ -71,23 +71,25 @@ def test_more_rows_than_the_limit_go_to_mlx_matmul() -> None:
 
 
 @on_gpu
-@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("group_size,bits", [(32, 4), (64, 4), (32, 8), (64, 2)])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_quantized_kernel_matches_the_dequantized_float32_product(group_size: int, dtype: mx.Dtype) -> None:
-    w, scales, biases = mx.quantize(random((1000, 576), mx.float32, 10) * 0.05, group_size=group_size, bits=4)
+def test_quantized_kernel_matches_the_dequantized_float32_product(group_size: int, bits: int, dtype: mx.Dtype) -> None:
+    w, scales, biases = mx.quantize(random((1000, 576), mx.float32, 10) * 0.05, group_size=group_size, bits=bits)
     scales, biases = scales.astype(dtype), biases.astype(dtype)
     x = random((19, 576), dtype, 11)
     want = x.astype(mx.float32) @ mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
-                                                group_size=group_size, bits=4).T
-    got = batch_invariant_quantized_matmul(x, w, scales, biases, group_size).astype(mx.float32)
+                                                group_size=group_size, bits=bits).T
+    got = batch_invariant_quantized_matmul(x, w, scales, biases, group_size, bits).astype(mx.float32)
     assert float(mx.abs(got - want).max()) <= float(mx.abs(want).max()) * (2**-8 if dtype == mx.bfloat16 else 2**-11)
-    alone = mx.concatenate([batch_invariant_quantized_matmul(x[i : i + 1], w, scales, biases, group_size) for i in range(19)])
-    assert mx.array_equal(batch_invariant_quantized_matmul(x, w, scales, biases, group_size), alone)
+    alone = mx.concatenate([batch_invariant_quantized_matmul(x[i : i + 1], w, scales, biases, group_size, bits)
+                            for i in range(19)])
+    assert mx.array_equal(batch_invariant_quantized_matmul(x, w, scales, biases, group_size, bits), alone)
 
 
 @on_gpu
-@pytest.mark.parametrize("dtype", ["native", "bfloat16"])  # native: the 4-bit model as shipped, fp16 activations
-def test_smollm2_engine_output_equals_plain_greedy(dtype: str) -> None:
+@pytest.mark.parametrize("dtype,setting", [("bfloat16", "1"), ("native", "all")])  # native: 4-bit as shipped, fp16
+def test_smollm2_engine_output_equals_plain_greedy(dtype: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_BATCH_INVARIANT", setting)
     target = load_target(default_model_path(), dtype=dtype)
     assert isinstance(target.model.model.layers[0].mlp.down_proj, (BatchInvariantLinear, BatchInvariantQuantizedLinear))
     drafter = load_drafter(default_drafter_path(), target)
