@@ -32,7 +32,10 @@ WARPS = 4  # warps per thread block
 OUTS = 4  # outputs per warp: a lane loads one vector of x per step for OUTS weight rows
 ROWS = 8  # rows per warp pass: a lane keeps ROWS * OUTS sums
 VECTOR = 8  # elements a lane loads at once (16 bytes of a 16-bit type)
-MAX_ROWS = 256  # more rows (a long prefill) go to MLX's matmul: identical for every decoder of one prompt
+# More rows go to MLX's matmul: a prefill (every decoder of a prompt prefills it alike) and
+# verifies batched over more than 4 requests of 16 rows, where the kernel, which reads every
+# row's input once per warp, costs more than MLX's (docs/exactness.md, "What the kernel costs")
+MAX_ROWS = 64
 
 _HEADER = """
 template <typename T>
