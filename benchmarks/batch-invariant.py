@@ -16,9 +16,9 @@ import mlx.core as mx
 
 from runtime.models.batch_invariant import batch_invariant_matmul, batch_invariant_quantized_matmul
 
-SHAPES = {"smollm2 o": (576, 576), "smollm2 down": (576, 1536), "smollm2 head": (49152, 576),
-          "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (24576, 4096), "8b down": (4096, 12288),
-          "qwen3-8b head": (151936, 4096)}
+SHAPES = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (24576, 4096), "8b down": (4096, 12288),
+          "qwen3-8b head": (151936, 4096), "smollm2 o": (576, 576), "smollm2 down": (576, 1536),
+          "smollm2 head": (49152, 576)}
 
 
 def chain_us(step, n: int = 100) -> float:

@@ -8,7 +8,7 @@
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   TASKSET=CPUS runs each bench on those cores only (taskset -c);
 #   a fresh machine first builds its kernels for minutes: run `bash benchmarks/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [kernel] [exact] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -30,7 +30,7 @@ print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", ro
       "| idle/round ms seq", r.get("sequential", {}).get("gpu_idle_ms_per_round", "-"),
       "pipe", r.get("dflash", {}).get("gpu_idle_ms_per_round", "-"),
       "draft-ahead", r.get("draft-ahead", {}).get("gpu_idle_ms_per_round", "-"), "| parts", r.get("reference", {}).get("round_parts_ms", "-"),
-      "| exact", r.get("exact", "-"), "| pipe/seq", r.get("pipelined_over_sequential", "-"),
+      "| equal to plain", r.get("equal_outputs_per_mode", "-"), "of", r.get("prompts", "-"), "| pipe/seq", r.get("pipelined_over_sequential", "-"),
       "pipe2/seq", r.get("pipelined2_over_sequential", "-"), "draft-ahead/seq", r.get("draft_ahead_over_sequential", "-"),
       "| runs plain/seq/pipe/pipe2/draft-ahead",
       *(r.get(k, {}).get("runs_tokens_per_s", "-") for k in ("plain", "sequential", "dflash", "pipelined2", "draft-ahead")),
@@ -92,6 +92,17 @@ PY
         start_warm_engine $mode 30 "$OUT/threads-$mode.log"
         echo "$mode:"; python3 benchmarks/thread-cpu.py $pid 10
         wait $pid; tail -1 "$OUT/threads-$mode.log"
+      done ;;
+    kernel)  # the batch-invariant kernel (runtime/models/batch_invariant.py): its GPU tests, then its cost
+      python3 -m pytest -q -p no:cacheprovider tests/test_batch_invariant.py | tail -5
+      python3 benchmarks/batch-invariant.py | tee "$OUT/batch-invariant.jsonl" ;;
+    exact)  # outputs equal to plain greedy on the test split (runs/eval/test, python -m runtime.evalsets):
+      # bf16, then the 4-bit model with the kernel's quantized form (DFLASH_BATCH_INVARIANT=all) and without
+      for set in runs/eval/test/*.jsonl; do
+        name=$(basename "$set" .jsonl)
+        bench "exact-bf16-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype bfloat16
+        DFLASH_BATCH_INVARIANT=all bench "exact-q4-all-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype native
+        bench "exact-q4-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype native
       done ;;
     plain)
       bench plain-q4 --draft none --dtype native
