@@ -8,7 +8,7 @@
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   TASKSET=CPUS runs each bench on those cores only (taskset -c);
 #   a fresh machine first builds its kernels for minutes: run `bash benchmarks/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [kernel] [exact] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [kernel] [exact] [side] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -96,13 +96,28 @@ PY
     kernel)  # the batch-invariant kernel (runtime/models/batch_invariant.py): its GPU tests, then its cost
       python3 -m pytest -q -p no:cacheprovider tests/test_batch_invariant.py | tail -5
       python3 benchmarks/batch-invariant.py | tee "$OUT/batch-invariant.jsonl" ;;
-    exact)  # outputs equal to plain greedy on the test split (runs/eval/test, python -m runtime.evalsets):
-      # bf16, then the 4-bit model with the kernel's quantized form (DFLASH_BATCH_INVARIANT=all) and without
+    exact)  # outputs equal to plain greedy on the test split (runs/eval/test, python -m runtime.evalsets), in each of
+      # EXACT (default "bf16 q4-all q4"): bf16; the 4-bit model with the kernel's quantized form
+      # (DFLASH_BATCH_INVARIANT=all); the 4-bit model with MLX's quantized matmuls (=1)
       for set in runs/eval/test/*.jsonl; do
         name=$(basename "$set" .jsonl)
-        bench "exact-bf16-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype bfloat16
-        DFLASH_BATCH_INVARIANT=all bench "exact-q4-all-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype native
-        bench "exact-q4-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype native
+        for mode in ${EXACT:-bf16 q4-all q4}; do
+          case $mode in
+            bf16) bench "exact-bf16-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype bfloat16 ;;
+            q4-all) DFLASH_BATCH_INVARIANT=all bench "exact-q4-all-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype native ;;
+            q4) DFLASH_BATCH_INVARIANT=1 bench "exact-q4-$name" --prompts "$set" --modes pipelined --block-size 16 --dtype native ;;
+          esac
+        done
+      done ;;
+    side)  # ours against mlx-lm on 8B-shaped random targets (benchmarks/side_by_side.py), for each MODELS
+      # (default the 4-bit and bf16 Qwen3-8B) and each DFLASH_BATCH_INVARIANT in SETTINGS (default "1 0");
+      # TAUS oracle taus (default "4 6.5"), SIDE_CONCURRENCY (default 8)
+      for model in ${MODELS:-random:qwen3-8b-4bit random:qwen3-8b}; do
+        for setting in ${SETTINGS:-1 0}; do
+          DFLASH_BATCH_INVARIANT=$setting python3 benchmarks/side_by_side.py --models "$model" --taus ${TAUS:-4 6.5} \
+            --max-tokens "$TOKENS" --prompts "${PROMPTS:-3}" --concurrency ${SIDE_CONCURRENCY:-8} --concurrent-taus 6.5 \
+            --json "$OUT/side-${model#random:}-$setting.json" 2>&1 | grep -v "^dflash-runtime"
+        done
       done ;;
     plain)
       bench plain-q4 --draft none --dtype native

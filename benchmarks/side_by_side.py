@@ -3,6 +3,9 @@
     PYTHONPATH=. python benchmarks/side_by_side.py [--models random:qwen3-8b random:qwen3-8b-4bit ...]
         [--taus 2 4 6.5 8] [--max-tokens 256] [--prompts 5] [--concurrency 8 32] [--concurrent-taus 4 6.5] [--json OUT]
 
+Our target runs as it loads (with the batch-invariant kernel where it applies on a GPU:
+``DFLASH_BATCH_INVARIANT``, runtime.models.batch_invariant); mlx-lm's twin keeps MLX's matmuls.
+
 For each model (``runtime.random_targets``: the published config, random weights whose greedy
 decoding follows a known permutation):
 - plain decoding, ours (``runtime.plain``) and mlx-lm's ``stream_generate``, over the same
@@ -144,9 +147,11 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     target = load_checkpoint(random_checkpoint(spec, overrides=args.override), dtype=args.dtype, fuse=False)
     twin = mlx_lm_twin(target)
     target.model.fuse_projections()
+    kernel = target.model.use_batch_invariant_projections()
     mx.eval(twin[0].parameters())
     report: dict[str, Any] = {"model": spec, "dtype": target.compute_dtype, "quantized": target.quantized,
-                              "load_s": round(time.perf_counter() - started, 1), "resident_gb": round(mx.get_active_memory() / GB, 2)}
+                              "load_s": round(time.perf_counter() - started, 1), "resident_gb": round(mx.get_active_memory() / GB, 2),
+                              "batch_invariant": kernel}
     params = GenerationParams(max_tokens=args.max_tokens)
     prompts = [ids for _, ids in read_prompts(DEFAULT_PROMPTS, target)][: args.prompts]
     drafters = [oracle_drafter(target, f"random:{args.layers}", tau, args.block_size) for tau in args.taus]
@@ -172,7 +177,8 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def print_model(r: dict[str, Any]) -> None:
     p = r["plain"]
-    print(f"\n{r['model']} ({r['dtype']}{', quantized' if r['quantized'] else ''}): resident {r['resident_gb']} GB, load {r['load_s']} s")
+    print(f"\n{r['model']} ({r['dtype']}{', quantized' if r['quantized'] else ''}): resident {r['resident_gb']} GB, "
+          f"load {r['load_s']} s, batch-invariant kernel {r['batch_invariant']}")
     print(f"plain tok/s: ours {p['ours']['tokens_per_s']}, mlx-lm {p['mlx_lm']['tokens_per_s']} "
           f"(ours/mlx-lm {p['ours_over_mlx_lm']}; outputs agree: {p['outputs_agree']}); peak GB {p['ours']['peak_gb']} / {p['mlx_lm']['peak_gb']}")
     print(f"{'oracle tau':>10} {'tau':>6} {'tok/s':>9} {'x ours':>7} {'x mlx-lm':>9} {'round/plain tok':>15} {'round ms':>9} {'idle ms':>8} "
