@@ -159,7 +159,7 @@ class Committer(Actor):
             target_kv_before=verified.kv_before, target_kv_after=verified.kv_after,
             drafter_ctx_before=draft.ctx_before, drafter_ctx_after=draft.ctx_after,
             new_ctx_rows=verified.keep,  # the rows the drafter really keeps, not a+1 assumed
-            tap_shape=tuple(out.taps.shape[1:]), greedy=request.greedy,
+            tap_shape=out.tap_shape, greedy=request.greedy,
         )
         return facts, ready
 

@@ -27,7 +27,7 @@ from runtime.sampling import Sampler
 from runtime.speculative import block_size_for, draft_sampler, propose_drafts
 
 from .mailbox import DeviceStateOwner, Inbox, Outbox, send_burst
-from .rounds import DraftOutputs, RoundOutputs, RoundReader, RoundResults
+from .rounds import DraftOutputs, DraftStep, RoundOutputs, RoundReader, RoundResults, stacked_rows
 from .schedule import NONE, PREFILL, Schedule
 
 
@@ -114,12 +114,11 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
         # newcomers' context is written before the step, outside any stack (they never are in one)
         with restored_on_failure([r.cache for r, p in zip(requests, previous) if p.block_size == 0]):
             (drafts, probs), ctx_before, ctx_after = self._forward(list(request_ids), requests, previous)
-        readout = HostReadout([drafts, ctx_before, ctx_after])
+        step = DraftStep(drafts, probs, HostReadout([drafts, ctx_before, ctx_after]))
         for row, (request_id, request, round, block) in enumerate(zip(request_ids, requests, rounds, blocks)):
-            q = probs[row] if probs is not None and request.sampler is not None else None
-            self.results.put(request_id, round, DraftOutputs(drafts[row], block, readout, row, q))
+            self.results.put(request_id, round, DraftOutputs(step, row, block, request.sampler is not None))
             request.next_round += 1
-        mx.async_eval(readout.packed)
+        mx.async_eval(step.readout.packed)
         now = time.perf_counter()
         drafted = [Drafted(request_id=rid, round=round, block_size=block, speculative=r.acked < round - 1,
                            draft_queued_at=now, batch_size=len(requests))
@@ -145,7 +144,7 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
             if new and rows > 1:
                 self.drafter.write_context(prev.taps, request.cache, prev.keep)
         zero = mx.array(0, dtype=mx.int32)
-        anchors = mx.stack([p.bonus for p in previous] + [zero] * (rows - n))
+        anchors = stacked_rows([(p.step.bonus, p.row) for p in previous], rows)
         mask = mx.full((rows, width - 1), self.drafter.args.mask_token_id, dtype=mx.int32)
         tokens = mx.concatenate([anchors[:, None], mask], axis=1)
         lens = [r.block_size for r in requests] + [1] * (rows - n)
@@ -154,7 +153,11 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
         ctx, keep = previous[0].taps, previous[0].keep
         if rows > 1:
             ctx = keep = None
-            if ctx_rows:  # newcomers and blank rows take part with zero rows, none kept
+            if ctx_rows and not any(fresh) and all(p.step.taps.shape[1] == ctx_rows for p in previous):
+                # the verify steps' rows whole: rows past a request's keep are never attended
+                ctx = stacked_rows([(p.step.taps, p.row) for p in previous], rows)
+                keep = stacked_rows([(p.step.keep, p.row) for p in previous], rows)
+            elif ctx_rows:  # newcomers and blank rows take part with zero rows, none kept
                 none = previous[0].taps[0, :0]
                 ctx = pad_rows([p.taps[0] if not new else none for p, new in zip(previous, fresh)]
                                + [none] * (rows - n), ctx_rows)

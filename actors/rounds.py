@@ -9,7 +9,7 @@ of it from the engine, which can only look a handle up. No actor reaches another
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, Sequence, TypeVar
 
 import mlx.core as mx
 
@@ -51,17 +51,34 @@ class DraftedRow(NamedTuple):
 
 
 @dataclass
-class DraftOutputs:
-    """The drafter's results of one round."""
+class DraftStep:
+    """One draft forward's device results, a row per request drafted in it."""
 
-    drafts: mx.array  # [width-1]: the request's full block width; the first block-1 are real
-    block_size: int
+    drafts: mx.array  # [R, width-1]: every row at the step's widest block
+    probs: mx.array | None  # [R, width-1, V]: the q the drafts were drawn from (DFlash 2 sampling), else None
     readout: HostReadout  # the step's drafts, context lengths before and after
+
+
+@dataclass
+class DraftOutputs:
+    """The drafter's results of one round: a row of a draft step."""
+
+    step: DraftStep
     row: int
-    probs: mx.array | None = None  # [width-1, V]: the q the drafts were drawn from (DFlash 2 sampling), else None
+    block_size: int
+    sampled: bool  # whether the drafts were drawn (their q is kept) rather than taken greedily
+
+    @property
+    def drafts(self) -> mx.array:
+        """``[width-1]``: the request's full block width; the first block-1 are real."""
+        return self.step.drafts[self.row]
+
+    @property
+    def probs(self) -> mx.array | None:
+        return self.step.probs[self.row] if self.sampled and self.step.probs is not None else None
 
     def host(self) -> DraftedRow:
-        values = self.readout.row(self.row).tolist()
+        values = self.step.readout.row(self.row).tolist()
         return DraftedRow(values[: self.block_size - 1], values[-2], values[-1])
 
 
@@ -77,16 +94,62 @@ class VerifiedRow(NamedTuple):
 
 
 @dataclass
-class RoundOutputs:
-    """The verifier's results of one round (or of the prefill, round -1)."""
+class VerifyStep:
+    """One verify forward's (or a prefill's) device results, a row per request in it."""
 
-    bonus: mx.array  # the next anchor
-    taps: mx.array  # [1, rows, n_taps*H]
-    keep: mx.array  # how many leading tap rows are accepted positions
+    bonus: mx.array  # [R]: the next anchors
+    taps: mx.array  # [R, rows, n_taps*H]: the target's taps at the step's positions
+    keep: mx.array  # [R]: how many leading tap rows are accepted positions
     readout: HostReadout  # the step's accepted, bonus, keep, kv before/after, target tokens
+
+
+@dataclass
+class RoundOutputs:
+    """The verifier's results of one round (or of the prefill, round -1): a row of a verify step."""
+
+    step: VerifyStep
     row: int
-    block_size: int
+    block_size: int  # 0 for the prefill: every tap row is the prompt's
+
+    @property
+    def bonus(self) -> mx.array:
+        return self.step.bonus[self.row]
+
+    @property
+    def taps(self) -> mx.array:
+        """``[1, rows, n_taps*H]``: the request's own tap rows."""
+        taps = self.step.taps[self.row : self.row + 1]
+        return taps[:, : self.block_size] if self.block_size else taps
+
+    @property
+    def keep(self) -> mx.array:
+        return self.step.keep[self.row]
+
+    @property
+    def tap_shape(self) -> tuple[int, ...]:
+        rows, features = self.step.taps.shape[1:]
+        return (min(rows, self.block_size) if self.block_size else rows, features)
 
     def host(self) -> VerifiedRow:
-        values = self.readout.row(self.row).tolist()
+        values = self.step.readout.row(self.row).tolist()
         return VerifiedRow(*values[:5], values[5 : 5 + self.block_size])
+
+
+def stacked_rows(parts: Sequence[tuple[mx.array, int]], rows: int | None = None) -> mx.array:
+    """Rows ``(array, row)`` of steps' arrays stacked in order, zero rows after them up to ``rows``.
+
+    Rows of one step cost no op when they are the whole step in order, and one slice or
+    gather otherwise, so a batch's hand-off between the actors does not grow with its requests
+    (a stack of per-request slices did: ~16 device ops a request a round).
+    """
+    whole = parts[0][0]
+    if all(array is whole for array, _ in parts):
+        order = [row for _, row in parts]
+        if order == list(range(len(order))):
+            out = whole if whole.shape[0] == len(order) else whole[: len(order)]
+        else:
+            out = whole[mx.array(order)]
+    else:
+        out = mx.stack([array[row] for array, row in parts])
+    missing = (rows or len(parts)) - len(parts)
+    return mx.concatenate([out, mx.zeros((missing, *out.shape[1:]), dtype=out.dtype)]) if missing else out

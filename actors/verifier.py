@@ -42,7 +42,7 @@ from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
 
 from .mailbox import DeviceStateOwner, Inbox, Outbox, send_burst
-from .rounds import DraftOutputs, RoundOutputs, RoundReader, RoundResults, VerifiedRow
+from .rounds import DraftOutputs, RoundOutputs, RoundReader, RoundResults, VerifiedRow, VerifyStep, stacked_rows
 from .schedule import NONE, PREFILL, Schedule
 
 
@@ -119,7 +119,8 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
         prompt_len = request.cache[0].length
         zero = mx.array([0], dtype=mx.int32)
         readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1)])
-        self.results.put(message.request_id, PREFILL, RoundOutputs(first, out.taps, prompt_len, readout, 0, 0))
+        step = VerifyStep(first.reshape(1), out.taps, prompt_len.reshape(1), readout)
+        self.results.put(message.request_id, PREFILL, RoundOutputs(step, 0, 0))
         mx.async_eval(readout.packed, out.taps)
         self.requests[message.request_id] = request
         await self.committer.send(Prefilled(request_id=message.request_id, queued_at=queued))
@@ -133,14 +134,11 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
         n = len(rounds)
         rows = padded_batch(n) if self.pad_batches else n
         queued = time.perf_counter()
-        # drafts come at the batch's widest block: a request's smaller block (its params) keeps the shape
         outputs = [self.drafts.get(m.request_id, m.round) for m in rounds]
-        drafted = [o.drafts for o in outputs]
-        width = max(d.shape[0] for d in drafted) + 1
-        blank = mx.zeros((0,), dtype=mx.int32)
-        drafts = pad_rows(drafted + [blank] * (rows - n), width - 1)
-        anchors = mx.stack([self.results.get(m.request_id, m.round - 1).bonus for m in rounds]
-                           + [mx.array(0, dtype=mx.int32)] * (rows - n))
+        drafts = self._drafts_at_widest(outputs, rows)
+        width = drafts.shape[1] + 1
+        anchors = stacked_rows([(p.step.bonus, p.row) for p in
+                                (self.results.get(m.request_id, m.round - 1) for m in rounds)], rows)
         tokens = mx.concatenate([anchors[:, None], drafts], axis=1)
         with self._stack.stacked([m.request_id for m in rounds], [r.cache for r in requests], width, rows) as caches:
             kv_before = caches[0].length.reshape(-1)[:n]
@@ -153,14 +151,24 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
             advance_layers(caches, kept if rows > 1 else kept[0])
             kv_after = caches[0].length.reshape(-1)[:n]
         readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, verdict.target_tokens])
+        step = VerifyStep(verdict.bonus, out.taps, keep, readout)
         for row, (message, block) in enumerate(zip(rounds, blocks)):
-            self.results.put(message.request_id, message.round, RoundOutputs(
-                verdict.bonus[row], out.taps[row : row + 1, :block], keep[row], readout, row, block))
+            self.results.put(message.request_id, message.round, RoundOutputs(step, row, block))
         mx.async_eval(readout.packed, out.taps)
         await send_burst(self.committer, [Verified(
             request_id=m.request_id, round=m.round, block_size=m.block_size, speculative=m.speculative,
             draft_queued_at=m.draft_queued_at, verify_queued_at=queued, batch_size=n) for m in rounds])
         await send_burst(self.drafter, [VerdictQueued(request_id=m.request_id, round=m.round) for m in rounds])
+
+    @staticmethod
+    def _drafts_at_widest(outputs: Sequence[DraftOutputs], rows: int) -> mx.array:
+        """``[rows, width-1]``: the rounds' drafts at the batch's widest block (a request's smaller
+        block, from its params, keeps the shape), zero rows after them."""
+        widths = {o.step.drafts.shape[1] for o in outputs}
+        if len(widths) == 1:
+            return stacked_rows([(o.step.drafts, o.row) for o in outputs], rows)
+        blank = mx.zeros((0,), dtype=mx.int32)
+        return pad_rows([o.drafts for o in outputs] + [blank] * (rows - len(outputs)), max(widths))
 
     def _in_batch_order(self, rounds: Sequence[Drafted]) -> list[Drafted]:
         """The rounds in the kept stack's row order when they are its requests (else as they came)."""

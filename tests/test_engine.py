@@ -111,8 +111,9 @@ class CorruptedRound:
         return row
 
     @property
-    def taps(self) -> Any:
-        return self.out.taps[..., :-1] if self.kind == "layout" else self.out.taps
+    def tap_shape(self) -> tuple[int, ...]:
+        rows, features = self.out.tap_shape
+        return (rows, features - 1) if self.kind == "layout" else (rows, features)
 
 
 class CorruptingView:
