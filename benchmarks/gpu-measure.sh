@@ -8,7 +8,7 @@
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   TASKSET=CPUS runs each bench on those cores only (taskset -c);
 #   a fresh machine first builds its kernels for minutes: run `bash benchmarks/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [kernel] [exact] [side] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [kernel] [exact] [side] [streams] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -118,6 +118,13 @@ PY
             --max-tokens "$TOKENS" --prompts "${PROMPTS:-3}" --concurrency ${SIDE_CONCURRENCY:-8} --concurrent-taus 6.5 \
             --json "$OUT/side-${model#random:}-$setting.json" 2>&1 | grep -v "^dflash-runtime"
         done
+      done ;;
+    streams)  # batched rounds by concurrent requests (benchmarks/streams.py, SmolLM2 bf16, the bundled drafter), for each
+      # MLX_CUDA_GRAPH_CACHE_SIZE in GRAPHS (default "1000 100": the runtime's default, then MLX's own)
+      for graphs in ${GRAPHS:-1000 100}; do
+        echo "MLX_CUDA_GRAPH_CACHE_SIZE=$graphs"
+        MLX_CUDA_GRAPH_CACHE_SIZE=$graphs python3 benchmarks/streams.py --dtype bfloat16 --prompts "${EVAL_DIR:-runs/eval}/test/math.jsonl" \
+          --streams ${STREAMS:-1 8 16 32} --max-tokens "$TOKENS" 2>&1 | grep -v "^dflash-runtime" | tee "$OUT/streams-graphs$graphs.jsonl"
       done ;;
     plain)
       bench plain-q4 --draft none --dtype native
