@@ -7,7 +7,7 @@ kept: the host never has to wait for round N to start N+1.
 
 Requests advance in lockstep (``Schedule.draft_step``): a flush drafts the next round of
 every request that is ready, in one forward over their stacked caches (kept from step to
-step while the same requests draft together: runtime.cache.KeptStack). Newcomers join at
+step, re-formed as requests join and leave: runtime.cache.KeptStack). Newcomers join at
 the next step; their prompt context is written alone first, since its length is theirs.
 """
 
@@ -61,8 +61,7 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
         self._stack = KeptStack()  # the last batched step's stacked caches, while its requests stay together
 
     def forget(self, request_id: str) -> None:
-        if self._stack.holds(request_id):
-            self._stack.break_up()
+        self._stack.drop(request_id)
         super().forget(request_id)
 
     @property

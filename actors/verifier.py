@@ -91,8 +91,7 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
             self._acknowledged(message)
 
     def forget(self, request_id: str) -> None:
-        if self._stack.holds(request_id):
-            self._stack.break_up()
+        self._stack.drop(request_id)
         super().forget(request_id)
         self._drafted.pop(request_id, None)
         self._admitted = [a for a in self._admitted if a.request_id != request_id]  # not prefilled yet

@@ -9,7 +9,7 @@ attended because attention reads only ``[:offset]``.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -257,7 +257,7 @@ class StackedKVCache(DeviceKVCache):
 
     Row r is member r's cache: ``length`` is ``[R]``, so each row writes, ropes and
     attends at its own length. After a step, ``count_writes`` does the members' bookkeeping
-    and ``release`` gives each member its rows back (a stack may serve several steps first:
+    and ``release_rows`` gives members their rows back (a stack may serve several steps first:
     ``KeptStack``). Stacking copies the members' buffers: far cheaper than the kernel
     launches a separate forward per request would be.
     """
@@ -271,6 +271,37 @@ class StackedKVCache(DeviceKVCache):
         self.keys = mx.concatenate([_fit(c.keys, capacity) for c in members], axis=0)
         self.values = mx.concatenate([_fit(c.values, capacity) for c in members], axis=0)
 
+    def regathered(self, members: Sequence[DeviceKVCache], rows_here: Sequence[int | None], leaving: Sequence[int],
+                   new_rows: int, blanks: int) -> StackedKVCache:
+        """This stack re-formed for other members: member ``i`` takes row ``rows_here[i]`` of this
+        stack, or (None) joins with its own buffers; ``blanks`` zero rows follow. The members at
+        rows ``leaving`` get their rows back first. A few ops a layer (fit, concatenate the
+        joiners, one gather) however many members stay, where unstacking and stacking anew
+        slices and copies every member's rows."""
+        assert self.keys is not None and self.values is not None
+        self.release_rows(leaving)
+        joining = [c for c, row in zip(members, rows_here) if row is None]
+        capacity = round_up(max(c.bound for c in members) + new_rows, GROWTH_STEP)
+        keys, values, length = _fit(self.keys, capacity), _fit(self.values, capacity), self.length
+        first_join, zero_row = keys.shape[0], keys.shape[0] + len(joining)
+        if joining or blanks:
+            _, h, _, d = keys.shape
+            keys = mx.concatenate([keys, *(_fit(c.keys, capacity) for c in joining), mx.zeros((1, h, capacity, d), keys.dtype)])
+            values = mx.concatenate([values, *(_fit(c.values, capacity) for c in joining),
+                                     mx.zeros((1, h, capacity, values.shape[3]), values.dtype)])
+            length = mx.concatenate([length, mx.stack([c.length for c in joining] + [mx.array(0, dtype=mx.int32)])])
+        joined = iter(range(first_join, zero_row))
+        index = [row if row is not None else next(joined) for row in rows_here] + [zero_row] * blanks
+        if index != list(range(keys.shape[0])):
+            order = mx.array(index, dtype=mx.int32)
+            keys, values, length = keys[order], values[order], length[order]
+        stack = StackedKVCache.__new__(StackedKVCache)
+        DeviceKVCache.__init__(stack)
+        stack.members = [*members, *(DeviceKVCache() for _ in range(blanks))]
+        stack.bound = max(c.bound for c in stack.members)
+        stack.keys, stack.values, stack.length = keys, values, length
+        return stack
+
     def count_writes(self, written: Sequence[int]) -> None:
         """The members' host-side bookkeeping of a step's writes (their device rows stay here).
 
@@ -281,10 +312,11 @@ class StackedKVCache(DeviceKVCache):
             if rows:
                 cache._count_write(rows)
 
-    def release(self, members: int) -> None:
-        """Give the first ``members`` members their rows of the buffers and the device length."""
+    def release_rows(self, rows: Iterable[int]) -> None:
+        """Give the members at these rows their rows of the buffers and the device length."""
         assert self.keys is not None and self.values is not None
-        for row, cache in enumerate(self.members[:members]):
+        for row in rows:
+            cache = self.members[row]
             cache.keys, cache.values = self.keys[row : row + 1], self.values[row : row + 1]
             cache.length = self.length[row]
 
@@ -312,21 +344,33 @@ def _fit(buffer: mx.array | None, capacity: int) -> mx.array:
 
 
 class KeptStack:
-    """Stacked caches kept from step to step while the same requests run together.
+    """Stacked caches kept from step to step, re-formed as requests join and leave.
 
     Stacking copies every member's buffers and unstacking makes a view per row and layer:
     ops that cost host time on a GPU. While the same requests run together (same order and
     row count) and the new rows fit, one stack serves step after step and holds their device
-    rows (their own caches keep only the host-side bookkeeping); they get their rows back
-    when it breaks up: a request joins or leaves, one runs alone, a step fails.
+    rows (their own caches keep only the host-side bookkeeping). When the members change
+    and some stay, the stack is re-formed (``StackedKVCache.regathered``): leavers get their
+    rows back, joiners' buffers are added, a gather puts the rows in order; a finished
+    request is dropped at the next step. It breaks up when none stays, one runs alone, or
+    a step fails.
     """
 
     def __init__(self) -> None:
         self.ids: tuple[str, ...] = ()
         self.layers: list[StackedKVCache] | None = None
+        self.dropped: set[str] = set()  # members gone for good (finished, cancelled): their rows go with the stack
 
     def holds(self, request_id: str) -> bool:
-        return self.layers is not None and request_id in self.ids
+        return self.layers is not None and request_id in self.ids and request_id not in self.dropped
+
+    def drop(self, request_id: str) -> None:
+        """A member is gone for good: its rows leave at the next step's re-forming (the stack goes
+        when none of its members is left), so the others stay stacked."""
+        if self.holds(request_id):
+            self.dropped.add(request_id)
+            if self.dropped.issuperset(self.ids):
+                self.break_up()
 
     @property
     def nbytes(self) -> int:
@@ -346,8 +390,16 @@ class KeptStack:
             return
         if self.layers is None or self.ids != tuple(ids) or len(self.layers[0].members) != rows \
                 or not all(layer.fits(new_rows) for layer in self.layers):
-            self.break_up()
-            self.ids, self.layers = tuple(ids), stack_layers(caches, new_rows, rows)
+            here = {rid: row for row, rid in enumerate(self.ids) if rid not in self.dropped}
+            if self.layers is not None and any(rid in here for rid in ids):  # some stay: re-form, not rebuild
+                rows_here = [here.get(rid) for rid in ids]
+                leaving = [row for rid, row in here.items() if rid not in set(ids)]
+                self.layers = [layer.regathered(members, rows_here, leaving, new_rows, rows - len(ids))
+                               for layer, members in zip(self.layers, zip(*caches))]
+                self.ids, self.dropped = tuple(ids), set()
+            else:
+                self.break_up()
+                self.ids, self.layers = tuple(ids), stack_layers(caches, new_rows, rows)
             for layers in caches:  # their rows live in the stack now: drop the copies
                 for layer in layers:
                     layer.keys = layer.values = None
@@ -364,8 +416,8 @@ class KeptStack:
         """Give the members their rows back."""
         if self.layers is not None:
             for layer in self.layers:
-                layer.release(len(self.ids))
-            self.ids, self.layers = (), None
+                layer.release_rows(row for row, rid in enumerate(self.ids) if rid not in self.dropped)
+            self.ids, self.layers, self.dropped = (), None, set()
 
 
 @contextmanager

@@ -427,6 +427,37 @@ def test_compiled_steps_give_every_request_its_plain_greedy_output(
     assert tiny_llama.model._steps._steps and tiny_drafter._steps._steps  # the compiled steps did run
 
 
+def test_requests_joining_and_leaving_re_form_the_kept_stack_instead_of_rebuilding_it(
+        tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.cache as cache
+
+    built: list[int] = []  # rows of every stack built from the members' own buffers
+    re_formed: list[int] = []
+    real_stack_layers, real_regathered = cache.stack_layers, cache.StackedKVCache.regathered
+
+    def stack_layers(requests: Any, new_rows: int, rows: int) -> Any:
+        built.append(rows)
+        return real_stack_layers(requests, new_rows, rows)
+
+    def regathered(self: Any, members: Any, *args: Any) -> Any:
+        re_formed.append(len(members))
+        return real_regathered(self, members, *args)
+
+    monkeypatch.setattr(cache, "stack_layers", stack_layers)
+    monkeypatch.setattr(cache.StackedKVCache, "regathered", regathered)
+    # staggered limits: requests leave one after another while the others keep decoding
+    params = [GenerationParams(max_tokens=8 + 5 * i, block_size=3) for i in range(8)]
+    engine = Engine(tiny_llama, tiny_drafter, pad_batches=True)
+    results = run(_run_concurrently(engine, PROMPTS[:8], params))
+    assert [results[i] for i in range(8)] == [plain(tiny_llama, PROMPTS[i], params[i]) for i in range(8)]
+    layers = len(tiny_llama.model.model.layers)
+    assert len(re_formed) >= 5 * layers, re_formed  # membership changed often...
+    assert len(built) <= len(re_formed) // (2 * layers), (len(built), len(re_formed))  # ...and was mostly re-formed
+    assert engine._actors is not None
+    for actor in (engine._actors.verifier, engine._actors.drafter):
+        assert actor._stack.layers is None and actor.cache_bytes == 0
+
+
 def test_a_batch_keeps_its_stacked_caches_while_its_requests_stay_together(
         tiny_llama: LoadedModel, tiny_drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
     stacks: list[Any] = []  # the stack each batched verify ran on (kept alive, so identities stay unique)

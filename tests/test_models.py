@@ -114,7 +114,7 @@ def test_a_stacked_forward_gives_each_request_the_logits_of_its_own_forward(tiny
     batched = model(block, stacked).logits
     for layer in stacked:
         layer.count_writes([block.shape[1]] * len(prompts))
-        layer.release(len(prompts))
+        layer.release_rows(range(len(prompts)))
     for row, cache in enumerate(alone):
         want = model(block[row : row + 1], cache).logits[0]
         np.testing.assert_allclose(np.array(batched[row]), np.array(want), atol=1e-5, rtol=1e-5)
