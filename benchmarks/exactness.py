@@ -1,6 +1,6 @@
 """Where a block verify and a one-token step compute differently (half-precision exactness, issue #25).
 
-    PYTHONPATH=. python benchmarks/exactness.py --dtype bfloat16 --prompts runs/eval/math.jsonl [--max-tokens 256]
+    PYTHONPATH=. python benchmarks/exactness.py --dtype bfloat16 --prompts runs/eval/test/math.jsonl [--max-tokens 256]
 
 Prints, as JSON lines:
 1. ``matmul``: for each projection shape of the model, the fraction of output elements whose

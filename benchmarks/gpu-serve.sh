@@ -8,7 +8,7 @@ set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
 OUT=${OUT:-/tmp/gpu-serve}
 mkdir -p "$OUT"
-PROMPTS=${1:-runs/eval/math.jsonl}
+PROMPTS=${1:-runs/eval/test/math.jsonl}  # python -m runtime.evalsets --out runs/eval --split test
 LEVELS=${LEVELS:-1 2 4 8 16 32}
 TOKENS=${TOKENS:-128}
 
