@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gamma", type=float, help="loss decay over block rows (default 7 for B=16, 4 for B=8)")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[], metavar="B",
+                   help="each training block's length drawn from these (each at most the drafter's block): a "
+                   "drafter trained on blocks of 16 alone drafts far worse in shorter ones (BENCHMARKS.md, session 21)")
     p.add_argument("--anchors-per-seq", type=int, default=64)
     p.add_argument("--init", type=Path, help="start from this drafter's weights (its layers, taps, block and mask "
                    "then replace --layers/--block-size/--mask-token-id): train an existing drafter further; "
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         epochs=args.epochs, batch_size=args.batch_size, micro_batch=args.micro_batch,
         anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup_fraction=args.warmup,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
-        compile=not args.no_compile,
+        compile=not args.no_compile, block_sizes=tuple(args.block_sizes),
     )
     trainer = Trainer(run.target.model, drafter, train_set, settings, dtype)
     print(f"steps    {trainer.total_steps} ({trainer.steps_per_epoch} per epoch)")

@@ -17,6 +17,7 @@ from runtime.loading import LoadedModel, load_drafter
 from runtime.models.dflash import DFlashDrafter
 from runtime.plain import plain_steps
 from runtime.sampling import Sampler
+from runtime.errors import RuntimeErrorBase
 from runtime.training.batches import block_labels, make_micro_batch, sample_anchors, training_mask
 from runtime.training.corpora import DataError, Prompt, even_shares, file_prompts, is_heldout, load_prompts
 from runtime.training import data as data_module
@@ -128,6 +129,26 @@ def test_training_forward_matches_decoding_on_a_multi_sequence_padded_batch(tiny
             np.testing.assert_allclose(trained[i, j], decoded, atol=1e-4)
 
 
+def test_a_shorter_block_trains_as_the_decode_path_drafts_a_block_of_that_length(tiny_llama: LoadedModel) -> None:
+    drafter = loud_drafter(tiny_llama, seed=4)
+    rng = np.random.default_rng(4)
+    example = random_example(rng, 8, 30)
+    anchors, lengths = np.array([8, 17, 25]), np.array([2, 3, BLOCK])
+    batch = make_micro_batch([example], [anchors], 4, BLOCK, MASK_ID, gamma=2.0, length_lists=[lengths])
+    weights = np.array(batch.weights)[0]
+    for j, length in enumerate(lengths):  # rows past a block's length carry no loss
+        assert weights[j, : length - 1].all() and not weights[j, length - 1 :].any()
+    taps = tiny_llama.model(batch.tokens, tap_layers=drafter.tap_layers).taps
+    trained = np.array(block_logits(drafter, taps, batch.blocks, batch.anchors, batch.lengths))[0]
+    full = np.array(block_logits(drafter, taps, batch.blocks, batch.anchors))[0]
+    for j, (a, length) in enumerate(zip(anchors, lengths)):
+        block = mx.array([[example.tokens[a]] + [MASK_ID] * (int(length) - 1)])
+        decoded = np.array(drafter(block, taps[:, :a], drafter.make_cache()))[0]
+        np.testing.assert_allclose(trained[j, : length - 1], decoded, atol=1e-4)
+        if length < BLOCK:  # without the lengths, the missing rows would be seen
+            assert np.abs(full[j, : length - 1] - decoded).max() > 1e-2
+
+
 # ---------------------------------------------------------------- the loop
 
 
@@ -158,6 +179,21 @@ def test_training_steps_lower_the_loss(tiny_llama: LoadedModel, examples: list[E
     after = trainer.evaluate(examples)
     assert after.loss < before.loss / 2
     assert after.accuracy > 0.2 and after.acceptance > before.acceptance
+
+
+def test_training_over_mixed_block_sizes_draws_each_blocks_length_from_the_seed(
+        tiny_llama: LoadedModel, examples: list[Example]) -> None:
+    trainer = tiny_trainer(tiny_llama, examples, block_sizes=(2, 3))
+    _, anchors, lengths = trainer.batch_for(0)
+    assert all(len(a) == len(n) for a, n in zip(anchors, lengths))
+    drawn = np.concatenate(lengths)
+    assert set(drawn.tolist()) == {2, 3}
+    again = tiny_trainer(tiny_llama, examples, block_sizes=(2, 3)).batch_for(0)[2]
+    assert all((x == y).all() for x, y in zip(lengths, again))
+    assert np.isfinite(trainer.train_step().loss)
+    assert {int(n) for n in np.concatenate(tiny_trainer(tiny_llama, examples).batch_for(0)[2])} == {BLOCK}
+    with pytest.raises(RuntimeErrorBase, match="--block-sizes"):
+        tiny_trainer(tiny_llama, examples, block_sizes=(BLOCK + 1,))
 
 
 @pytest.mark.slow

@@ -55,19 +55,31 @@ def block_labels(tokens: Sequence[int], anchors: np.ndarray, block_size: int) ->
     return np.where(valid, labels, PAD_ID), valid
 
 
-def training_mask(anchors: mx.array, ctx_len: int, block_size: int) -> mx.array:
+def training_mask(anchors: mx.array, ctx_len: int, block_size: int, lengths: mx.array | None = None) -> mx.array:
     """Which keys ``[ctx (ctx_len) ; all blocks]`` each block query sees: ``[S, 1, K*B, ctx_len + K*B]``.
 
     Context position j is visible to a block at anchor a iff ``j < a`` (never its own
     anchor's features); within its own block a query sees every row (bidirectional);
-    it never sees another block.
+    it never sees another block. ``lengths [S, K]``: a block of length L < B has only its
+    first L rows, so no query sees the rows past them (they are not supervised either):
+    it is trained as the decode loop drafts a block of L.
     """
     s, k = anchors.shape
     query_anchor = mx.repeat(anchors, block_size, axis=1)  # [S, K*B]: each row's block anchor
     sees_context = mx.arange(ctx_len)[None, None, :] < query_anchor[:, :, None]
     block_of = mx.arange(k * block_size) // block_size
     sees_own_block = mx.broadcast_to(block_of[:, None] == block_of[None, :], (s, k * block_size, k * block_size))
+    if lengths is not None:
+        present = (mx.arange(k * block_size) % block_size)[None, :] < mx.repeat(lengths, block_size, axis=1)
+        sees_own_block = sees_own_block & present[:, None, :]
     return mx.concatenate([sees_context, sees_own_block], axis=-1)[:, None]
+
+
+def sample_lengths(count: int, block_sizes: Sequence[int], block_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Each of ``count`` blocks' length: one of ``block_sizes`` at random, or all ``block_size``."""
+    if not block_sizes:
+        return np.full(count, block_size, dtype=np.int32)
+    return rng.choice(np.asarray(block_sizes, dtype=np.int32), size=count)
 
 
 @dataclass
@@ -75,6 +87,7 @@ class MicroBatch:
     tokens: mx.array  # [S, T] whole sequences, right-padded: the target's input
     blocks: mx.array  # [S, K*B] each anchor's block [x[a], MASK*(B-1)], end to end
     anchors: mx.array  # [S, K]; padding blocks sit at 0 with zero weight
+    lengths: mx.array  # [S, K]: each block's rows (B, or fewer when training for shorter blocks)
     labels: mx.array  # [S, K, B-1]: x[a+k] for k = 1..B-1
     weights: mx.array  # [S, K, B-1]: the loss weight, 0 where there is no label
     real_tokens: int  # sequence tokens before padding (for throughput)
@@ -88,12 +101,16 @@ def padded_context(length: int, block_rows: int) -> int:
 
 def make_micro_batch(
     examples: Sequence[Example], anchor_lists: Sequence[np.ndarray], blocks_per_seq: int,
-    block_size: int, mask_token_id: int, gamma: float,
+    block_size: int, mask_token_id: int, gamma: float, length_lists: Sequence[np.ndarray] | None = None,
 ) -> MicroBatch:
-    """Stack sequences and their anchors; every sequence gets ``blocks_per_seq`` blocks."""
+    """Stack sequences and their anchors; every sequence gets ``blocks_per_seq`` blocks.
+
+    ``length_lists``: each anchor's block length (default ``block_size``); rows past it get
+    no loss (and ``training_mask`` hides them)."""
     s, b, k = len(examples), block_size, blocks_per_seq
     tokens = np.full((s, padded_context(max(len(e) for e in examples), k * b)), PAD_ID, dtype=np.int32)
     anchors = np.zeros((s, k), dtype=np.int32)
+    lengths = np.full((s, k), b, dtype=np.int32)
     labels = np.full((s, k, b - 1), PAD_ID, dtype=np.int32)
     weights = np.zeros((s, k, b - 1), dtype=np.float32)
     blocks = np.full((s, k, b), mask_token_id, dtype=np.int32)
@@ -105,8 +122,12 @@ def make_micro_batch(
         anchors[i, :n] = picked
         blocks[i, :n, 0] = np.asarray(seq)[picked]
         labels[i, :n], valid = block_labels(seq, picked, b)
-        weights[i, :n] = np.where(valid, row_weights, 0.0)
+        if length_lists is not None:
+            lengths[i, :n] = length_lists[i]
+        present = np.arange(1, b)[None, :] < lengths[i, :n, None]
+        weights[i, :n] = np.where(valid & present, row_weights, 0.0)
     return MicroBatch(
         tokens=mx.array(tokens), blocks=mx.array(blocks.reshape(s, k * b)), anchors=mx.array(anchors),
+        lengths=mx.array(lengths),
         labels=mx.array(labels), weights=mx.array(weights), real_tokens=sum(len(e) for e in examples),
     )

@@ -35,11 +35,11 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from ..errors import RuntimeErrorBase
 from ..models import DecoderModel
 from ..models.dflash import DFlashDrafter
-from .batches import MicroBatch, default_gamma, make_micro_batch, sample_anchors, training_mask
+from .batches import MicroBatch, default_gamma, make_micro_batch, sample_anchors, sample_lengths, training_mask
 from .data import Example
 from .drafter import cast_parameters
 
-ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 0, 1, 2  # independent random streams of one seed
+ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM, LENGTH_STREAM = 0, 1, 2, 3  # independent random streams of one seed
 
 
 class ResumeError(RuntimeErrorBase):
@@ -57,6 +57,9 @@ class TrainSettings:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float | None = None  # None: default_gamma(block_size)
+    # each block's length drawn from these (each at most the drafter's block), so the drafter
+    # also drafts shorter blocks well; empty: every block at the drafter's block size
+    block_sizes: tuple[int, ...] = ()
     seed: int = 0
     compile: bool = True
 
@@ -89,10 +92,12 @@ def lr_schedule(lr: float, total_steps: int, warmup_fraction: float) -> Callable
     return optim.join_schedules([ramp, optim.cosine_decay(lr, max(1, total_steps - warmup))], [warmup])
 
 
-def block_logits(drafter: DFlashDrafter, taps: mx.array, blocks: mx.array, anchors: mx.array) -> mx.array:
-    """Logits ``[S, K, B-1, V]`` of block rows 1..B-1 (row 0, the anchor, predicts nothing)."""
+def block_logits(drafter: DFlashDrafter, taps: mx.array, blocks: mx.array, anchors: mx.array,
+                 lengths: mx.array | None = None) -> mx.array:
+    """Logits ``[S, K, B-1, V]`` of block rows 1..B-1 (row 0, the anchor, predicts nothing);
+    ``lengths [S, K]``: blocks shorter than B (their rows past it are hidden)."""
     s, k = anchors.shape
-    mask = training_mask(anchors, taps.shape[1], drafter.block_size)
+    mask = training_mask(anchors, taps.shape[1], drafter.block_size, lengths)
     hidden = drafter.training_hidden(blocks, anchors, taps, mask)
     return drafter.logits(hidden.reshape(s, k, drafter.block_size, -1)[:, :, 1:]).astype(mx.float32)
 
@@ -107,6 +112,9 @@ class Trainer:
                  settings: TrainSettings, dtype: mx.Dtype) -> None:
         if not train:
             raise RuntimeErrorBase("no training sequence has a response of a whole block: regenerate more data")
+        wrong = [b for b in settings.block_sizes if not 2 <= b <= drafter.block_size]
+        if wrong:
+            raise RuntimeErrorBase(f"--block-sizes {wrong}: each must be 2..{drafter.block_size} (the drafter's block)")
         self.target, self.drafter, self.train, self.settings, self.dtype = target, drafter, list(train), settings, dtype
         self.gamma = settings.gamma or default_gamma(drafter.block_size)
         self.steps_per_epoch = math.ceil(len(self.train) / settings.batch_size)
@@ -128,8 +136,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
 
-    def _loss_sum(self, taps: mx.array, blocks: mx.array, anchors: mx.array, labels: mx.array, weights: mx.array) -> mx.array:
-        ce = nn.losses.cross_entropy(block_logits(self.drafter, taps, blocks, anchors), labels)
+    def _loss_sum(self, taps: mx.array, blocks: mx.array, anchors: mx.array, lengths: mx.array, labels: mx.array,
+                  weights: mx.array) -> mx.array:
+        ce = nn.losses.cross_entropy(block_logits(self.drafter, taps, blocks, anchors, lengths), labels)
         return (ce * weights).sum()
 
     def _apply_update(self, grads: dict[str, Any], total_weight: mx.array) -> mx.array:
@@ -145,24 +154,29 @@ class Trainer:
         out = self.target(tokens, tap_layers=self.drafter.tap_layers, last_only=True)
         return out.taps.astype(self.dtype)  # type: ignore[union-attr]
 
-    def micro_batches(self, examples: Sequence[Example], anchors: Sequence[np.ndarray]) -> Iterator[MicroBatch]:
+    def micro_batches(self, examples: Sequence[Example], anchors: Sequence[np.ndarray],
+                      lengths: Sequence[np.ndarray] | None = None) -> Iterator[MicroBatch]:
         # similar lengths together waste less padding; the summed gradient is the same
         order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
         for start in range(0, len(order), self.settings.micro_batch):
             rows = order[start : start + self.settings.micro_batch]
             yield make_micro_batch([examples[i] for i in rows], [anchors[i] for i in rows],
                                    self.settings.anchors_per_seq, self.drafter.block_size,
-                                   self.drafter.args.mask_token_id, self.gamma)
+                                   self.drafter.args.mask_token_id, self.gamma,
+                                   [lengths[i] for i in rows] if lengths is not None else None)
 
-    def batch_for(self, step: int) -> tuple[list[Example], list[np.ndarray]]:
-        """The sequences and anchors of global step ``step``: a pure function of the seed."""
+    def batch_for(self, step: int) -> tuple[list[Example], list[np.ndarray], list[np.ndarray]]:
+        """The sequences, anchors and block lengths of global step ``step``: a pure function of the seed."""
         epoch, index = divmod(step, self.steps_per_epoch)
         order = np.random.default_rng([self.settings.seed, ORDER_STREAM, epoch]).permutation(len(self.train))
         rows = order[index * self.settings.batch_size : (index + 1) * self.settings.batch_size]
         examples = [self.train[i] for i in rows]
         anchors = [self._anchors(e, np.random.default_rng([self.settings.seed, ANCHOR_STREAM, epoch, int(i)]))
                    for e, i in zip(examples, rows)]
-        return examples, anchors
+        lengths = [sample_lengths(len(a), self.settings.block_sizes, self.drafter.block_size,
+                                  np.random.default_rng([self.settings.seed, LENGTH_STREAM, epoch, int(i)]))
+                   for a, i in zip(anchors, rows)]
+        return examples, anchors, lengths
 
     def _anchors(self, example: Example, rng: np.random.Generator) -> np.ndarray:
         return sample_anchors(len(example.prompt_ids), len(example), self.drafter.block_size,
@@ -170,10 +184,11 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         start = time.perf_counter()
-        examples, anchors = self.batch_for(self.step)
+        examples, anchors, lengths = self.batch_for(self.step)
         loss_sum, total_weight, grads = mx.array(0.0), mx.array(0.0), None
-        for micro in self.micro_batches(examples, anchors):
-            loss, g = self._grad(self.taps(micro.tokens), micro.blocks, micro.anchors, micro.labels, micro.weights)
+        for micro in self.micro_batches(examples, anchors, lengths):
+            loss, g = self._grad(self.taps(micro.tokens), micro.blocks, micro.anchors, micro.lengths, micro.labels,
+                                 micro.weights)
             g = tree_map(lambda x: x.astype(mx.float32), g)  # half-precision sums would drift
             grads = g if grads is None else tree_map(mx.add, grads, g)
             loss_sum, total_weight = loss_sum + loss, total_weight + micro.weights.sum()
@@ -211,7 +226,8 @@ class Trainer:
     def fingerprint(self, extra: dict[str, Any]) -> dict[str, Any]:
         """What must not change between a run and its resumption."""
         keys = hashlib.sha256("".join(e.key for e in self.train).encode()).hexdigest()
-        return {"settings": asdict(self.settings), "train_data": keys, **extra}
+        # as state.json holds it (tuples come back as lists), so a resumption compares like with like
+        return json.loads(json.dumps({"settings": asdict(self.settings), "train_data": keys, **extra}))
 
     def save_checkpoint(self, folder: Path, fingerprint: dict[str, Any]) -> None:
         """Weights, optimizer state and step, written beside ``folder`` then swapped in whole."""
