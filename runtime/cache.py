@@ -295,7 +295,7 @@ class StackedKVCache(DeviceKVCache):
         if index != list(range(keys.shape[0])):
             order = mx.array(index, dtype=mx.int32)
             keys, values, length = keys[order], values[order], length[order]
-        stack = StackedKVCache.__new__(StackedKVCache)
+        stack = StackedKVCache.__new__(StackedKVCache)  # its rows are made here, not copied from the members
         DeviceKVCache.__init__(stack)
         stack.members = [*members, *(DeviceKVCache() for _ in range(blanks))]
         stack.bound = max(c.bound for c in stack.members)
@@ -392,8 +392,8 @@ class KeptStack:
                 or not all(layer.fits(new_rows) for layer in self.layers):
             here = {rid: row for row, rid in enumerate(self.ids) if rid not in self.dropped}
             if self.layers is not None and any(rid in here for rid in ids):  # some stay: re-form, not rebuild
-                rows_here = [here.get(rid) for rid in ids]
-                leaving = [row for rid, row in here.items() if rid not in set(ids)]
+                rows_here, staying = [here.get(rid) for rid in ids], set(ids)
+                leaving = [row for rid, row in here.items() if rid not in staying]
                 self.layers = [layer.regathered(members, rows_here, leaving, new_rows, rows - len(ids))
                                for layer, members in zip(self.layers, zip(*caches))]
                 self.ids, self.dropped = tuple(ids), set()
