@@ -8,8 +8,10 @@ times each kind of op a decoder layer runs, alone, at the model's shapes: the pr
 (``mx.quantized_matmul`` at ``--bits``, 0 for a dense bf16 matmul), attention over
 ``--context`` keys, the norms and the LM head, so the op that does not stay flat from one row
 to many can be named. ``--impl kernel`` times the projections with the batch-invariant kernel
-(runtime.models.batch_invariant) instead of MLX's matmuls. Figures: device microseconds per op,
-from a chain of ``CHAIN`` queued ops.
+(runtime.models.batch_invariant) instead of MLX's matmuls, ``--impl tc`` with the tensor-core
+kernel (runtime.models.tensor_core; ``--plans split,unroll,tiles,warps_n ...`` times each plan
+given instead of the kernel's own). Figures: device microseconds per op, from a chain of
+``CHAIN`` queued ops.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable
 import mlx.core as mx
 
 from runtime.models.batch_invariant import batch_invariant_matmul, batch_invariant_quantized_matmul
+from runtime.models.tensor_core import Plan, tensor_core_matmul
 from runtime.random_targets import PUBLISHED
 
 CHAIN = 50
@@ -44,18 +47,22 @@ def per_op_us(make: Callable[[mx.array], mx.array], x: mx.array) -> float:
     return round(1e6 * best / CHAIN, 1)
 
 
-def projection(out_features: int, in_features: int, bits: int, impl: str) -> Callable[[mx.array], mx.array]:
+def projection(out_features: int, in_features: int, bits: int, impl: str,
+               how: Plan | None = None) -> Callable[[mx.array], mx.array]:
     """x [rows, in] -> [rows, in] through a projection of the given shape (a fold keeps the chain's shape)."""
     w = (mx.random.normal((out_features, in_features)) * 0.02).astype(mx.bfloat16)
-    kernel = impl == "kernel"
     if bits:
         packed, scales, biases = mx.quantize(w, group_size=GROUP, bits=bits)
         mx.eval(packed, scales, biases)
-        matmul = (lambda x: batch_invariant_quantized_matmul(x, packed, scales, biases, GROUP, bits)) if kernel else \
-            (lambda x: mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=GROUP, bits=bits))
+        matmul = {
+            "kernel": lambda x: batch_invariant_quantized_matmul(x, packed, scales, biases, GROUP, bits),
+            "tc": lambda x: tensor_core_matmul(x, packed, scales, biases, GROUP, bits, how),
+            "mlx": lambda x: mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=GROUP, bits=bits),
+        }[impl]
     else:
         mx.eval(w)
-        matmul = (lambda x: batch_invariant_matmul(x, w)) if kernel else (lambda x: x @ w.T)
+        matmul = {"kernel": lambda x: batch_invariant_matmul(x, w),
+                  "tc": lambda x: tensor_core_matmul(x, w, bits=16, how=how), "mlx": lambda x: x @ w.T}[impl]
     return lambda x: fold(matmul(x), in_features)
 
 
@@ -72,16 +79,21 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 0])
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--impl", nargs="+", choices=["mlx", "kernel"], default=["mlx"])
+    parser.add_argument("--impl", nargs="+", choices=["mlx", "kernel", "tc"], default=["mlx"])
+    parser.add_argument("--plans", nargs="+", default=[], metavar="SPLIT,UNROLL,TILES,WARPS_N",
+                        help="with --impl tc: time the projections alone under each plan")
     args = parser.parse_args()
     c = PUBLISHED[args.model]
     hidden, inter, heads, kv_heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim", hidden // heads)
     vocab = c["vocab_size"]
     qkv = (heads + 2 * kv_heads) * head_dim
+    shapes = {"qkv": (qkv, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
+              "down": (hidden, inter), "lm_head": (vocab, hidden)}
+    if args.plans:
+        sweep_plans(shapes, args)
+        return
     for impl, bits in ((impl, bits) for bits in args.bits for impl in args.impl):
-        shapes = {"qkv": (qkv, hidden), "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
-                  "down": (hidden, inter), "lm_head": (vocab, hidden)}
         ops = {name: projection(n, k, bits, impl) for name, (n, k) in shapes.items()}
         keys = mx.random.normal((1, kv_heads, args.context, head_dim)).astype(mx.bfloat16)
         values = mx.random.normal((1, kv_heads, args.context, head_dim)).astype(mx.bfloat16)
@@ -99,6 +111,17 @@ def main() -> None:
             row["layers_ms"] = round(c["num_hidden_layers"] * layer / 1e3, 2)
             row["forward_ms"] = round(row["layers_ms"] + row["lm_head"] / 1e3, 2)
             print(json.dumps({"model": args.model, "bits": bits or "bf16", "impl": impl, "rows": rows, "us_per_op": row}), flush=True)
+
+
+def sweep_plans(shapes: dict[str, tuple[int, int]], args: argparse.Namespace) -> None:
+    """Device microseconds of each projection under each plan of the tensor-core kernel."""
+    for bits in args.bits:
+        for name, (n, k) in shapes.items():
+            for text in args.plans:
+                how = Plan(*(int(v) for v in text.split(",")))
+                op = projection(n, k, bits, "tc", how)
+                us = {rows: per_op_us(op, (mx.random.normal((rows, k)) * 0.1).astype(mx.bfloat16)) for rows in args.rows}
+                print(json.dumps({"bits": bits or "bf16", "op": name, "plan": text, "us_by_rows": us}), flush=True)
 
 
 if __name__ == "__main__":
