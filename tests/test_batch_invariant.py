@@ -27,6 +27,7 @@ from runtime.models.batch_invariant import (
     batch_invariant_quantized_matmul,
 )
 from runtime.models.decoder import TransposedLinear
+from runtime.models.tensor_core import TensorCoreLinear
 
 on_gpu = pytest.mark.skipif(not applies(mx.zeros((8, 8), dtype=mx.bfloat16)), reason="the kernel runs on a GPU")
 
@@ -87,11 +88,13 @@ def test_quantized_kernel_matches_the_dequantized_float32_product(group_size: in
 
 
 @on_gpu
-@pytest.mark.parametrize("dtype,setting", [("bfloat16", "1"), ("native", "all")])  # native: 4-bit as shipped, fp16
+# native: 4-bit as shipped, fp16; tc: the tensor-core kernel (runtime.models.tensor_core)
+@pytest.mark.parametrize("dtype,setting", [("bfloat16", "1"), ("native", "all"), ("bfloat16", "tc"), ("native", "tc")])
 def test_smollm2_engine_output_equals_plain_greedy(dtype: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DFLASH_BATCH_INVARIANT", setting)
     target = load_target(default_model_path(), dtype=dtype)
-    assert isinstance(target.model.model.layers[0].mlp.down_proj, (BatchInvariantLinear, BatchInvariantQuantizedLinear))
+    twin = TensorCoreLinear if setting == "tc" else (BatchInvariantLinear, BatchInvariantQuantizedLinear)
+    assert isinstance(target.model.model.layers[0].mlp.down_proj, twin)
     drafter = load_drafter(default_drafter_path(), target)
     params = GenerationParams(max_tokens=128)
     prompts = [ids for _, ids in read_prompts(DEFAULT_PROMPTS, target)]

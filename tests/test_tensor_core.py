@@ -11,7 +11,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from runtime.models.tensor_core import Plan, applies, plan, tensor_core_matmul
+from mlx import nn
+
+from runtime.models.tensor_core import MAX_ROWS, Plan, applies, plan, tensor_core_matmul, tensor_core_twin
 
 on_gpu = pytest.mark.skipif(not applies(64, 64, 4, 64, mx.bfloat16), reason="the kernel runs on a GPU")
 
@@ -78,3 +80,20 @@ def test_the_order_of_summation_follows_the_weight_alone() -> None:
     for outputs, inner, bits in [(576, 576, 4), (4096, 12288, 4), (151936, 4096, 8), (4096, 4096, 16)]:
         plans = {(p.split, p.unroll) for p in (plan(outputs, inner, bits, rows) for rows in (1, 8, 16, 17, 64))}
         assert len(plans) == 1
+
+
+@on_gpu
+def test_a_quantized_linear_twin_takes_the_kernel_up_to_max_rows_and_mlx_past_them() -> None:
+    layer = nn.QuantizedLinear(1536, 2048, bias=True, group_size=64, bits=4)
+    layer.set_dtype(mx.bfloat16)
+    twin = tensor_core_twin(layer, None)
+    x = random((MAX_ROWS + 1, 1536), mx.bfloat16, 12)
+    assert mx.array_equal(twin(x[:16]), tensor_core_matmul(x[:16], layer.weight, layer.scales, layer.biases, 64, 4) + layer.bias)
+    assert mx.array_equal(twin(x), layer(x))
+
+
+@on_gpu
+def test_weights_the_kernel_cannot_take_get_no_twin() -> None:
+    assert tensor_core_twin(nn.QuantizedLinear(1536, 2048, group_size=64, bits=2), None) is None  # 2-bit
+    assert tensor_core_twin(nn.Linear(100, 24), mx.zeros((24, 100), dtype=mx.bfloat16)) is None  # inner not whole chunks
+    assert tensor_core_twin(nn.Linear(64, 24), mx.zeros((24, 64), dtype=mx.float32)) is None  # float32 activations

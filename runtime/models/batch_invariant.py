@@ -15,8 +15,9 @@ Each warp computes ``OUTS`` outputs for ``ROWS`` rows at a time, so a weight row
 once per ``ROWS`` rows, and a whole decode step's weights once, as a matrix-vector kernel
 does. On the CPU (MLX's kernels are row-invariant there in float32) the models keep MLX's
 matmuls. MLX's affine 2/4/8-bit weights are dequantized in float32 inside the same loop, when
-``DFLASH_BATCH_INVARIANT=all`` asks for it (not yet measured on a whole model); ``=0`` turns
-the kernel off, to measure one against the other.
+``DFLASH_BATCH_INVARIANT=all`` asks for it (not yet measured on a whole model); ``=tc`` routes
+dense and 4/8-bit projections to the tensor-core kernel (``tensor_core.py``) instead, which reads
+the weights once for up to 32 rows; ``=0`` turns the kernels off, to measure one against another.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
+
+from .tensor_core import tensor_core_twin
 
 WARPS = 4  # warps per thread block
 OUTS = 4  # outputs per warp: a lane loads one vector of x per step for OUTS weight rows
@@ -114,6 +117,10 @@ BITS = (2, 4, 8)  # whole weights per uint32 word
 
 def kernel_enabled() -> bool:
     return os.environ.get("DFLASH_BATCH_INVARIANT", "1") != "0"
+
+
+def tensor_cores_enabled() -> bool:
+    return os.environ.get("DFLASH_BATCH_INVARIANT") == "tc"
 
 
 def quantized_enabled() -> bool:
@@ -216,6 +223,8 @@ class BatchInvariantQuantizedLinear(nn.Module):
 def batch_invariant(layer: nn.Module, dense_weight: mx.array | None) -> nn.Module | None:
     """The batch-invariant twin of a projection (``dense_weight``: its weight as ``[out, in]`` when
     dense), or None where the kernel does not apply."""
+    if tensor_cores_enabled() and on_gpu() and (twin := tensor_core_twin(layer, dense_weight)) is not None:
+        return twin
     if dense_weight is not None and applies(dense_weight):
         return BatchInvariantLinear(dense_weight, layer.bias if "bias" in layer else None)
     if quantized_applies(layer):

@@ -34,11 +34,13 @@ from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
+from mlx import nn
 
 CHUNK = 64  # weights along k a warp takes per step: one quantization group of 64, four mma steps
 ROW_TILE = 8  # input rows per mma (its N)
 MAX_ROW_TILES = 4  # row tiles a block keeps: more rows run as more blocks along y
 BITS = (4, 8, 16)  # 16: dense 16-bit weights
+MAX_ROWS = 64  # more rows (a long prefill) go to MLX's matmul, which reads the weights fewer times
 
 _HEADER = r"""
 __device__ inline uint32_t pack_pair(float lo, float hi, __half) {
@@ -283,3 +285,43 @@ def tensor_core_matmul(x: mx.array, weight: mx.array, scales: mx.array | None = 
         grid=(-(-n // (16 * p.tiles * p.warps_n)) * 32 * warps, -(-rows // (ROW_TILE * row_tiles)), 1),
         threadgroup=(32 * warps, 1, 1), output_shapes=[(rows, n)], output_dtypes=[x.dtype])
     return out.reshape(*x.shape[:-1], n)
+
+
+class TensorCoreLinear(nn.Module):
+    """A projection computed by :func:`tensor_core_matmul` up to ``MAX_ROWS`` rows, by MLX's matmul
+    past them (a long prefill, which every decoder of a prompt runs alike): a ``QuantizedLinear``
+    (or a tied ``QuantizedEmbedding``'s head) in MLX's affine layout, or a dense ``weight [out, in]``."""
+
+    def __init__(self, layer: nn.Module, dense_weight: mx.array | None = None) -> None:
+        super().__init__()
+        if dense_weight is not None:
+            self.bits, self.group_size, self.weight = 16, 0, mx.contiguous(dense_weight)
+        else:
+            self.bits, self.group_size = layer.bits, layer.group_size
+            self.weight, self.scales, self.biases = layer.weight, layer.scales, layer.biases
+        if "bias" in layer and not isinstance(layer, nn.QuantizedEmbedding):
+            self.bias = layer.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.size // x.shape[-1] > MAX_ROWS:
+            out = (x @ self.weight.T if self.bits == 16 else
+                   mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                       group_size=self.group_size, bits=self.bits))
+        else:
+            out = tensor_core_matmul(x, self.weight, self.scales if self.bits != 16 else None,
+                                     self.biases if self.bits != 16 else None, self.group_size, self.bits)
+        return out + self.bias if "bias" in self else out
+
+
+def tensor_core_twin(layer: nn.Module, dense_weight: mx.array | None) -> TensorCoreLinear | None:
+    """The tensor-core twin of a projection (``dense_weight``: its weight as ``[out, in]`` when
+    dense), or None where the kernel does not take it."""
+    if dense_weight is not None:
+        n, k = dense_weight.shape
+        return TensorCoreLinear(layer, dense_weight) if applies(n, k, 16, 0, dense_weight.dtype) else None
+    if not isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or getattr(layer, "mode", "affine") != "affine":
+        return None
+    if "biases" not in layer:
+        return None
+    n, k = layer.weight.shape[0], layer.weight.shape[1] * 32 // layer.bits
+    return TensorCoreLinear(layer) if applies(n, k, layer.bits, layer.group_size, layer.scales.dtype) else None
