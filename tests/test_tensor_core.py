@@ -45,6 +45,8 @@ def product(x: mx.array, arrays: list[mx.array], bits: int, group_size: int, how
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("outputs,inner", [(960, 576), (576, 1536), (4096, 4096), (1024, 12288)])
 def test_kernel_matches_a_float32_product(bits: int, group_size: int, dtype: mx.Dtype, outputs: int, inner: int) -> None:
+    if bits != 16 and inner % group_size:
+        pytest.skip("MLX quantizes whole groups only")
     arrays, w = weights(outputs, inner, bits, group_size, dtype)
     x = random((19, inner), dtype, 11)
     want = x.astype(mx.float32) @ w.T
