@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 0])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--impl", nargs="+", choices=["mlx", "kernel", "tc"], default=["mlx"])
-    parser.add_argument("--plans", nargs="+", default=[], metavar="SPLIT,UNROLL,TILES,WARPS_N",
+    parser.add_argument("--plans", nargs="+", default=[], metavar="SPLIT,UNROLL,TILES,WARPS_N[,ROW_TILES]",
                         help="with --impl tc: time the projections alone under each plan")
     args = parser.parse_args()
     c = PUBLISHED[args.model]
@@ -120,7 +120,10 @@ def sweep_plans(shapes: dict[str, tuple[int, int]], args: argparse.Namespace) ->
             for text in args.plans:
                 how = Plan(*(int(v) for v in text.split(",")))
                 op = projection(n, k, bits, "tc", how)
-                us = {rows: per_op_us(op, (mx.random.normal((rows, k)) * 0.1).astype(mx.bfloat16)) for rows in args.rows}
+                try:
+                    us = {rows: per_op_us(op, (mx.random.normal((rows, k)) * 0.1).astype(mx.bfloat16)) for rows in args.rows}
+                except RuntimeError as error:  # a plan a block cannot launch
+                    us = {"error": str(error)[:80]}
                 print(json.dumps({"bits": bits or "bf16", "op": name, "plan": text, "us_by_rows": us}), flush=True)
 
 

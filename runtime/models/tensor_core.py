@@ -218,13 +218,15 @@ if (ks == 0) {
 @dataclass(frozen=True)
 class Plan:
     """How a launch divides the work. ``split`` and ``unroll`` fix every output's order of
-    summation, so they come from the weight's shape alone; ``tiles`` and ``warps_n`` only share
-    the outputs out and may follow the rows."""
+    summation, so they come from the weight's shape alone; ``tiles``, ``warps_n`` and
+    ``row_tiles`` (8-row tiles a block keeps; 0: as many as the rows need, at most
+    ``MAX_ROW_TILES``) only share the outputs out and may follow the rows."""
 
     split: int
     unroll: int
     tiles: int
     warps_n: int
+    row_tiles: int = 0
 
 
 def plan(outputs: int, inner: int, bits: int, rows: int) -> Plan:
@@ -273,7 +275,7 @@ def tensor_core_matmul(x: mx.array, weight: mx.array, scales: mx.array | None = 
     k = weight.shape[1] * 32 // bits if bits != 16 else weight.shape[1]
     rows = x.size // k
     p = how or plan(n, k, bits, rows)
-    row_tiles = min(MAX_ROW_TILES, -(-rows // ROW_TILE))
+    row_tiles = p.row_tiles or min(MAX_ROW_TILES, -(-rows // ROW_TILE))
     warps = p.warps_n * p.split
     quantized = bits != 16
     weights = [weight, scales, biases] if quantized else [weight.view(mx.uint32)]
