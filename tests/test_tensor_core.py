@@ -72,17 +72,11 @@ def test_a_row_alone_has_the_bits_it_has_in_any_batch(bits: int, rows: int) -> N
 def test_how_outputs_are_shared_among_warps_changes_no_bit() -> None:
     arrays, _ = weights(4096, 4096, 4, 64, mx.float16)
     x = random((16, 4096), mx.float16, 4)
-    base = plan(4096, 4096, 4, 16)
+    base = plan(4096, 4)
     # tiles 4 with warps_n 4 asks for more than a block has (H100: "too many resources requested")
     outs = [product(x, arrays, 4, 64, Plan(base.split, base.unroll, tiles, warps_n))
             for tiles, warps_n in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1))]
     assert all(mx.array_equal(out, outs[0]) for out in outs[1:])
-
-
-def test_the_order_of_summation_follows_the_weight_alone() -> None:
-    for outputs, inner, bits in [(576, 576, 4), (4096, 12288, 4), (151936, 4096, 8), (4096, 4096, 16)]:
-        plans = {(p.split, p.unroll) for p in (plan(outputs, inner, bits, rows) for rows in (1, 8, 16, 17, 64))}
-        assert len(plans) == 1
 
 
 @on_gpu

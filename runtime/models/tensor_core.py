@@ -229,20 +229,19 @@ class Plan:
     row_tiles: int = 0
 
 
-def plan(outputs: int, inner: int, bits: int, rows: int) -> Plan:
-    """Enough warps to keep every SM reading, for a weight ``[outputs, inner]``.
+def plan(inner: int, bits: int) -> Plan:
+    """Enough warps to keep every SM reading, for a weight of ``inner`` inputs at ``bits``.
 
-    Narrow weights (few 16-output tiles) split k across the warps of a block; the order of
-    summation depends on ``outputs``, ``inner`` and ``bits`` only."""
+    k is split across up to 8 warps of a block while each still takes two groups of chunks:
+    many short sums in flight beat few long ones at every Qwen3-8B shape, one row or 16, the LM
+    head's included (the plan sweep, BENCHMARKS.md session 24). Neither the rows nor anything
+    else a call may vary goes in, so the order of summation is the weight's alone."""
     chunks = inner // CHUNK
     unroll = 2 if bits != 16 else 1
-    tiles16 = -(-outputs // 16)
     split = 1
-    while split < 8 and tiles16 * split < 4096 and chunks // (unroll * split * 2) >= 2:
+    while split < 8 and chunks // (unroll * split * 2) >= 2:
         split *= 2
-    tiles = 2 if rows <= 2 * ROW_TILE else 1
-    warps_n = max(1, min(4, 8 // split))
-    return Plan(split=split, unroll=unroll, tiles=tiles, warps_n=warps_n)
+    return Plan(split=split, unroll=unroll, tiles=1, warps_n=max(1, min(4, 8 // split)))
 
 
 def applies(outputs: int, inner: int, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
@@ -274,7 +273,7 @@ def tensor_core_matmul(x: mx.array, weight: mx.array, scales: mx.array | None = 
     n = weight.shape[0]
     k = weight.shape[1] * 32 // bits if bits != 16 else weight.shape[1]
     rows = x.size // k
-    p = how or plan(n, k, bits, rows)
+    p = how or plan(k, bits)
     row_tiles = p.row_tiles or min(MAX_ROW_TILES, -(-rows // ROW_TILE))
     warps = p.warps_n * p.split
     quantized = bits != 16
