@@ -20,7 +20,9 @@ for what in "$@"; do
              DFLASH_BATCH_INVARIANT=$setting python3 -m runtime.bench --model random:qwen3-8b-4bit --draft random:1 \
                --oracle-tau 6.5 --max-tokens "${TOKENS:-128}" --modes pipelined --json > "$OUT/model-$setting.json" \
                2> "$OUT/model-$setting.err"
-             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], {k: r[k] for k in r if k in ('plain','dflash','equal_outputs_per_mode','prompts')})" \
+             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], 'plain tok/s', r['plain']['tokens_per_s'],
+               'pipelined tok/s', r['dflash']['tokens_per_s'], 'tau', r['dflash'].get('tau'), 'round ms', r['dflash'].get('round_ms'),
+               'reference parts ms', r['reference']['round_parts_ms'], 'equal', r['equal_outputs_per_mode'])" \
                "$OUT/model-$setting.json" "$setting" | tee -a "$OUT/model.txt"
            done ;;
   esac
