@@ -119,11 +119,11 @@ PY
             --json "$OUT/side-${model#random:}-$setting.json" 2>&1 | grep -v "^dflash-runtime"
         done
       done ;;
-    streams)  # batched rounds by concurrent requests (benchmarks/streams.py, SmolLM2 bf16, the bundled drafter), for each
+    streams)  # batched rounds by concurrent requests (benchmarks/streams.py, SmolLM2 bf16 or MODEL, the bundled drafter), for each
       # MLX_CUDA_GRAPH_CACHE_SIZE in GRAPHS (default "1000 100": the runtime's default, then MLX's own)
       for graphs in ${GRAPHS:-1000 100}; do
         echo "MLX_CUDA_GRAPH_CACHE_SIZE=$graphs"
-        MLX_CUDA_GRAPH_CACHE_SIZE=$graphs python3 benchmarks/streams.py --dtype bfloat16 --prompts "${EVAL_DIR:-runs/eval}/test/math.jsonl" \
+        MLX_CUDA_GRAPH_CACHE_SIZE=$graphs python3 benchmarks/streams.py ${MODEL:+--model "$MODEL"} --dtype bfloat16 --prompts "${EVAL_DIR:-runs/eval}/test/math.jsonl" \
           --streams ${STREAMS:-1 8 16 32} --max-tokens "$TOKENS" 2>&1 | grep -v "^dflash-runtime" | tee "$OUT/streams-graphs$graphs.jsonl"
       done ;;
     plain)
