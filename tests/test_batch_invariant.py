@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import mlx.core as mx
 import pytest
+from mlx import nn
 
 from protocol import GenerationParams
 from runtime.bench import DEFAULT_PROMPTS, read_prompts, run_plain, run_together
@@ -20,11 +21,13 @@ from runtime.defaults import default_drafter_path, default_model_path
 from runtime.loading import load_drafter, load_target
 from runtime.models.batch_invariant import (
     MAX_ROWS,
+    TENSOR_CORE_MIN_INNER,
     BatchInvariantLinear,
     BatchInvariantQuantizedLinear,
     applies,
     batch_invariant_matmul,
     batch_invariant_quantized_matmul,
+    wants_tensor_cores,
 )
 from runtime.models.decoder import TransposedLinear
 from runtime.models.tensor_core import TensorCoreLinear
@@ -112,3 +115,17 @@ def test_on_the_cpu_the_models_keep_mlx_matmuls(tiny_llama_dir: Path) -> None:
         pytest.skip("a GPU takes the kernel")
     assert not target.model.use_batch_invariant_projections()
     assert isinstance(layer.self_attn.qkv_proj, TransposedLinear) and "tied_head" not in target.model
+
+
+@pytest.mark.parametrize("setting,wide_quantized,narrow_quantized,dense", [
+    ("1", True, False, False), ("tc", True, True, True), ("all", False, False, False), ("0", False, False, False)])
+def test_tensor_cores_take_the_quantized_projections_of_wide_targets_by_default(
+        setting: str, wide_quantized: bool, narrow_quantized: bool, dense: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_BATCH_INVARIANT", setting)
+    wide = nn.QuantizedLinear(TENSOR_CORE_MIN_INNER, 64, bias=False, group_size=64, bits=4)
+    narrow = nn.QuantizedLinear(576, 64, bias=False, group_size=64, bits=4)
+    linear = nn.Linear(TENSOR_CORE_MIN_INNER, 64, bias=False)
+    assert wants_tensor_cores(wide, None) is wide_quantized
+    assert wants_tensor_cores(nn.QuantizedEmbedding(64, TENSOR_CORE_MIN_INNER, group_size=64, bits=8), None) is wide_quantized
+    assert wants_tensor_cores(narrow, None) is narrow_quantized
+    assert wants_tensor_cores(linear, linear.weight) is dense

@@ -15,9 +15,10 @@ Each warp computes ``OUTS`` outputs for ``ROWS`` rows at a time, so a weight row
 once per ``ROWS`` rows, and a whole decode step's weights once, as a matrix-vector kernel
 does. On the CPU (MLX's kernels are row-invariant there in float32) the models keep MLX's
 matmuls. MLX's affine 2/4/8-bit weights are dequantized in float32 inside the same loop, when
-``DFLASH_BATCH_INVARIANT=all`` asks for it (not yet measured on a whole model); ``=tc`` routes
-dense and 4/8-bit projections to the tensor-core kernel (``tensor_core.py``) instead, which reads
-the weights once for up to 32 rows; ``=0`` turns the kernels off, to measure one against another.
+``DFLASH_BATCH_INVARIANT=all`` asks for it (not yet measured on a whole model). The tensor-core
+kernel (``tensor_core.py``), which reads the weights once for up to 32 rows, takes the 4/8-bit
+projections of 4B-8B targets by default and every projection it can under ``=tc``; ``=0`` turns
+the kernels off, to measure one against another.
 """
 
 from __future__ import annotations
@@ -119,8 +120,20 @@ def kernel_enabled() -> bool:
     return os.environ.get("DFLASH_BATCH_INVARIANT", "1") != "0"
 
 
-def tensor_cores_enabled() -> bool:
-    return os.environ.get("DFLASH_BATCH_INVARIANT") == "tc"
+# Quantized projections this wide take the tensor-core kernel by default: at 4B-8B (inner 2,560-
+# 14,336) it made pipelined rounds 1.4-1.8x faster with every output equal to plain greedy
+# (BENCHMARKS.md, session 24); narrower ones (SmolLM2's 576-1,536) have not been measured with it
+TENSOR_CORE_MIN_INNER = 2048
+
+
+def wants_tensor_cores(layer: nn.Module, dense_weight: mx.array | None) -> bool:
+    """``DFLASH_BATCH_INVARIANT=tc``: every projection the tensor-core kernel takes; by default
+    (``1``) the quantized ones of at least ``TENSOR_CORE_MIN_INNER`` inputs."""
+    setting = os.environ.get("DFLASH_BATCH_INVARIANT", "1")
+    if setting == "tc":
+        return True
+    quantized = dense_weight is None and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    return setting == "1" and quantized and layer.weight.shape[1] * 32 // layer.bits >= TENSOR_CORE_MIN_INNER
 
 
 def quantized_enabled() -> bool:
@@ -223,7 +236,7 @@ class BatchInvariantQuantizedLinear(nn.Module):
 def batch_invariant(layer: nn.Module, dense_weight: mx.array | None) -> nn.Module | None:
     """The batch-invariant twin of a projection (``dense_weight``: its weight as ``[out, in]`` when
     dense), or None where the kernel does not apply."""
-    if tensor_cores_enabled() and on_gpu() and (twin := tensor_core_twin(layer, dense_weight)) is not None:
+    if on_gpu() and wants_tensor_cores(layer, dense_weight) and (twin := tensor_core_twin(layer, dense_weight)) is not None:
         return twin
     if dense_weight is not None and applies(dense_weight):
         return BatchInvariantLinear(dense_weight, layer.bias if "bias" in layer else None)
