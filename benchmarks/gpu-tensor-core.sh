@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tensor-core kernel's figures (runtime.models.tensor_core) in one device call, after
-# MLX's CUDA build is staged (export PYTHONPATH=/tmp/site first):
+# MLX's CUDA build is staged (deploy/stage-device.sh; export PYTHONPATH=/tmp/site first):
 #   bash benchmarks/gpu-tensor-core.sh [tests] [ops] [plans] [model]
 # tests: its GPU tests; ops: 4-bit and bf16 projections at Qwen3-8B's shapes, MLX against the
 # kernel, 1 and 16 rows; plans: a sweep of plans at 4-bit (PLANS: split,unroll,tiles,warps_n[,row_tiles] ...); model: a whole 4-bit random Qwen3-8B

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # MLX's CUDA build (and any files named) for the device tool's GPU machine in as few calls as fit.
 #
-#   bash deploy/stage-device.sh [FILE...]     e.g. the SmolLM2 GGUF, for benchmarks/streams.py
+#   [WHEELS="mlx-lm==0.32.2 ..."] bash deploy/stage-device.sh [FILE...]
+#       FILE: e.g. the SmolLM2 GGUF, for benchmarks/streams.py; WHEELS: more packages, e.g. mlx-lm
+#       for benchmarks/side_by_side.py (the machine has transformers, numpy, sentencepiece)
 #
 # ../shared/tools/device-mlx.sh prepare ships the wheels as they are (4 calls of 24 MB); here they are
 # unpacked and compressed with xz instead (193 MB unpacked -> 76 MB), then split into parts that each
@@ -11,7 +13,10 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
-[ -f .devwheels/manifest ] || bash ../shared/tools/device-mlx.sh prepare > /dev/null
+# shellcheck disable=SC2086  # WHEELS is a list
+if [ -n "${WHEELS:-}" ] || [ ! -f .devwheels/manifest ]; then
+  bash ../shared/tools/device-mlx.sh prepare 24 ${WHEELS:-} > /dev/null
+fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/whl" "$work/site" "$work/blob"
