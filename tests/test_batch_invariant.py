@@ -16,9 +16,9 @@ import pytest
 from mlx import nn
 
 from protocol import GenerationParams
-from runtime.bench import DEFAULT_PROMPTS, read_prompts, run_plain, run_together
+from runtime.bench import DEFAULT_PROMPTS, oracle_drafter, read_prompts, run_plain, run_together
 from runtime.defaults import default_drafter_path, default_model_path
-from runtime.loading import load_drafter, load_target
+from runtime.loading import load_checkpoint, load_drafter, load_target
 from runtime.models.batch_invariant import (
     MAX_ROWS,
     TENSOR_CORE_MIN_INNER,
@@ -31,6 +31,7 @@ from runtime.models.batch_invariant import (
 )
 from runtime.models.decoder import TransposedLinear
 from runtime.models.tensor_core import TensorCoreLinear
+from runtime.random_targets import random_checkpoint
 
 on_gpu = pytest.mark.skipif(not applies(mx.zeros((8, 8), dtype=mx.bfloat16)), reason="the kernel runs on a GPU")
 
@@ -106,6 +107,21 @@ def test_smollm2_engine_output_equals_plain_greedy(dtype: str, setting: str, mon
     assert [tokens for tokens, _ in got] == want
     alone = [anyio.run(run_together, target, drafter, [ids], params, "pipelined").results[0][0] for ids in prompts]
     assert alone == want
+
+
+@on_gpu
+def test_a_wide_4bit_target_verifies_on_tensor_cores_by_default_and_equals_plain_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DFLASH_BATCH_INVARIANT", raising=False)
+    shape = {"num_hidden_layers": 2, "hidden_size": TENSOR_CORE_MIN_INNER, "intermediate_size": 4096,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 4096}
+    target = load_checkpoint(random_checkpoint("random:qwen3-8b-4bit", overrides=shape))
+    assert isinstance(target.model.model.layers[0].mlp.down_proj, TensorCoreLinear)
+    drafter = oracle_drafter(target, "random:1", 4.0, 16)
+    params = GenerationParams(max_tokens=96)
+    prompts = [[(7 * i + j) % 200 + 32 for j in range(12 + 3 * i)] for i in range(4)]
+    want = [run_plain(target, ids, params).token_ids for ids in prompts]
+    got = anyio.run(run_together, target, drafter, prompts, params, "pipelined").results
+    assert [tokens for tokens, _ in got] == want
 
 
 def test_on_the_cpu_the_models_keep_mlx_matmuls(tiny_llama_dir: Path) -> None:
