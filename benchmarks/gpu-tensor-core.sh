@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu-tensor-core.sh [tests] [ops] [plans] [model]
 # tests: its GPU tests; ops: 4-bit and bf16 projections at Qwen3-8B's shapes, MLX against the
 # kernel, 1 and 16 rows; plans: a sweep of plans at 4-bit (PLANS: split,unroll,tiles,warps_n[,row_tiles] ...); model: a whole 4-bit random Qwen3-8B
-# at oracle tau 6.5, plain and pipelined, MLX's matmuls (=1) against the kernel (=tc).
+# at oracle tau 6.5, plain and pipelined, MLX's quantized matmuls (=dense) against the kernel (=tc, the default there).
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
 OUT=${OUT:-/tmp/gpu-tensor-core}
@@ -16,7 +16,7 @@ for what in "$@"; do
     plans) python3 benchmarks/verify-ops.py --model qwen3-8b --rows 1 16 --bits 4 --impl tc \
              --plans ${PLANS:-8,2,2,1 8,2,1,1 8,2,1,2 8,2,2,1,2 8,2,1,2,2 4,2,2,2 4,2,1,4 4,2,2,2,2 1,2,2,4 1,2,1,4 1,2,2,4,2 2,2,2,4} \
              2>&1 | tee "$OUT/plans.txt" ;;
-    model) for setting in 1 tc; do
+    model) for setting in dense tc; do
              DFLASH_BATCH_INVARIANT=$setting python3 -m runtime.bench --model random:qwen3-8b-4bit --draft random:1 \
                --oracle-tau 6.5 --max-tokens "${TOKENS:-128}" --modes pipelined --json > "$OUT/model-$setting.json" \
                2> "$OUT/model-$setting.err"

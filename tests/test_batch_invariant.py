@@ -134,7 +134,8 @@ def test_on_the_cpu_the_models_keep_mlx_matmuls(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("setting,wide_quantized,narrow_quantized,dense", [
-    ("1", True, False, False), ("tc", True, True, True), ("all", False, False, False), ("0", False, False, False)])
+    ("1", True, False, False), ("tc", True, True, True), ("dense", False, False, False), ("all", False, False, False),
+    ("0", False, False, False)])
 def test_tensor_cores_take_the_quantized_projections_of_wide_targets_by_default(
         setting: str, wide_quantized: bool, narrow_quantized: bool, dense: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DFLASH_BATCH_INVARIANT", setting)

@@ -17,8 +17,8 @@ does. On the CPU (MLX's kernels are row-invariant there in float32) the models k
 matmuls. MLX's affine 2/4/8-bit weights are dequantized in float32 inside the same loop, when
 ``DFLASH_BATCH_INVARIANT=all`` asks for it (not yet measured on a whole model). The tensor-core
 kernel (``tensor_core.py``), which reads the weights once for up to 32 rows, takes the 4/8-bit
-projections of 4B-8B targets by default and every projection it can under ``=tc``; ``=0`` turns
-the kernels off, to measure one against another.
+projections of 4B-8B targets by default, every projection it can under ``=tc`` and none under
+``=dense``; ``=0`` turns the kernels off, to measure one against another.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ TENSOR_CORE_MIN_INNER = 2048
 
 def wants_tensor_cores(layer: nn.Module, dense_weight: mx.array | None) -> bool:
     """``DFLASH_BATCH_INVARIANT=tc``: every projection the tensor-core kernel takes; by default
-    (``1``) the quantized ones of at least ``TENSOR_CORE_MIN_INNER`` inputs."""
+    (``1``) the quantized ones of at least ``TENSOR_CORE_MIN_INNER`` inputs; ``dense``: none (the
+    dense kernel only, quantized weights on MLX's matmuls)."""
     setting = os.environ.get("DFLASH_BATCH_INVARIANT", "1")
     if setting == "tc":
         return True
