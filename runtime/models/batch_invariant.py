@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from .tensor_core import tensor_core_twin
+from .tensor_core import tensor_core_twin, weight_inputs
 
 WARPS = 4  # warps per thread block
 OUTS = 4  # outputs per warp: a lane loads one vector of x per step for OUTS weight rows
@@ -134,7 +134,7 @@ def wants_tensor_cores(layer: nn.Module, dense_weight: mx.array | None) -> bool:
     if setting == "tc":
         return True
     quantized = dense_weight is None and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    return setting == "1" and quantized and layer.weight.shape[1] * 32 // layer.bits >= TENSOR_CORE_MIN_INNER
+    return setting == "1" and quantized and weight_inputs(layer.weight, layer.bits) >= TENSOR_CORE_MIN_INNER
 
 
 def quantized_enabled() -> bool:
@@ -189,7 +189,7 @@ def batch_invariant_quantized_matmul(x: mx.array, weight: mx.array, scales: mx.a
                                      group_size: int, bits: int, rows_per_pass: int = ROWS) -> mx.array:
     """``x @ W.T`` for W in MLX's affine layout (``weight [out, in*bits/32]`` uint32, ``scales`` and
     ``biases [out, in/group_size]``), each row reduced in a fixed order, as the dense kernel."""
-    n, k = weight.shape[0], weight.shape[1] * 32 // bits
+    n, k = weight.shape[0], weight_inputs(weight, bits)
     if x.size // k > MAX_ROWS or x.dtype != scales.dtype:
         return mx.quantized_matmul(x, weight, scales, biases, transpose=True, group_size=group_size, bits=bits)
     return _launch(x, [weight, scales, biases], n, k, rows_per_pass, [("GROUP", group_size), ("BITS", bits)])

@@ -244,6 +244,12 @@ def plan(inner: int, bits: int) -> Plan:
     return Plan(split=split, unroll=unroll, tiles=1, warps_n=max(1, min(4, 8 // split)))
 
 
+def weight_inputs(weight: mx.array, bits: int) -> int:
+    """A projection's inputs from its weight: ``[out, in]`` when dense (``bits`` 16), or MLX's
+    packed ``[out, in * bits / 32]`` words."""
+    return weight.shape[1] if bits == 16 else weight.shape[1] * 32 // bits
+
+
 def applies(outputs: int, inner: int, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
     """Whether the kernel can take a weight of this shape and format (a GPU, 16-bit activations,
     whole chunks and 16-output tiles)."""
@@ -271,7 +277,7 @@ def tensor_core_matmul(x: mx.array, weight: mx.array, scales: mx.array | None = 
     affine ``bits``-bit layout with its ``scales`` and ``biases``. ``how`` overrides :func:`plan`
     (to measure one plan against another)."""
     n = weight.shape[0]
-    k = weight.shape[1] * 32 // bits if bits != 16 else weight.shape[1]
+    k = weight_inputs(weight, bits)
     rows = x.size // k
     p = how or plan(k, bits)
     row_tiles = p.row_tiles or min(MAX_ROW_TILES, -(-rows // ROW_TILE))
@@ -324,5 +330,5 @@ def tensor_core_twin(layer: nn.Module, dense_weight: mx.array | None) -> TensorC
         return None
     if "biases" not in layer:
         return None
-    n, k = layer.weight.shape[0], layer.weight.shape[1] * 32 // layer.bits
+    n, k = layer.weight.shape[0], weight_inputs(layer.weight, layer.bits)
     return TensorCoreLinear(layer) if applies(n, k, layer.bits, layer.group_size, layer.scales.dtype) else None
