@@ -11,6 +11,7 @@
 #   KEEP_REGEN=1 also returns the regenerated responses (carry them back to skip regeneration);
 #   CACHE=DIR keeps them there (default runs/regen; each device call gets a fresh copy of the tree,
 #   so a path outside it, such as /tmp/regen, survives between calls to a warm machine, as does an OUT_DIR there).
+# GEN_BATCH 1024 fits the H200; on an H100 (80 GB) regeneration runs out of memory there: use 512.
 # Stops itself after $LIMIT seconds; run it again to --resume. The drafter goes to $OUT/drafter.
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -26,7 +27,16 @@ timeout "$LIMIT" python3 -m runtime.train --out "$DIR" ${MODEL:+--model "$MODEL"
   ${BLOCK_SIZES:+--block-sizes $BLOCK_SIZES} $RESUME || rc=$?
 echo "training exit status $rc"
 if [ -n "${OUT:-}" ] && [ -f "$DIR/model.safetensors" ]; then
-  mkdir -p "$OUT/drafter" && cp "$DIR/config.json" "$DIR/model.safetensors" "$OUT/drafter/"
+  # a call returns about 60 MB in all: a 10-layer drafter in bf16 (74 MB) did not come back, so
+  # PACK="BITS GROUP" (e.g. "4 32") returns it packed (runtime.training.pack) instead
+  mkdir -p "$OUT/drafter"
+  if [ -n "${PACK:-}" ]; then
+    read -r bits group <<< "$PACK"
+    rm -rf "$DIR-packed" && python3 -m runtime.training.pack "$DIR" "$DIR-packed" --bits "$bits" --group-size "$group"
+    cp "$DIR-packed/config.json" "$DIR-packed/model.safetensors" "$OUT/drafter/"
+  else
+    cp "$DIR/config.json" "$DIR/model.safetensors" "$OUT/drafter/"
+  fi
   # the device tool returns files of at most 16 MiB: the weights come back in parts (cat them to reassemble)
   (cd "$OUT/drafter" && split -b 15m model.safetensors model.safetensors.part- && rm model.safetensors)
 fi
