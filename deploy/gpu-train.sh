@@ -32,8 +32,7 @@ if [ -n "${OUT:-}" ] && [ -f "$DIR/model.safetensors" ]; then
   mkdir -p "$OUT/drafter"
   if [ -n "${PACK:-}" ]; then
     read -r bits group <<< "$PACK"
-    rm -rf "$DIR-packed" && python3 -m runtime.training.pack "$DIR" "$DIR-packed" --bits "$bits" --group-size "$group"
-    cp "$DIR-packed/config.json" "$DIR-packed/model.safetensors" "$OUT/drafter/"
+    python3 -m runtime.training.pack "$DIR" "$OUT/drafter" --bits "$bits" --group-size "$group"
   else
     cp "$DIR/config.json" "$DIR/model.safetensors" "$OUT/drafter/"
   fi
