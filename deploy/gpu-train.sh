@@ -8,7 +8,9 @@
 #   BLOCK_SIZES="4 8 16" draws each training block's length from those sizes (a drafter for shorter blocks too);
 #   INIT=DRAFTER_DIR continues that drafter (GROW_TO=N: grown to N layers, the added ones starting as the identity;
 #   TAPS="L1 L2 ...": its tapped target layers and more, the added ones read through zero weights at first);
-#   KEEP_REGEN=1 also returns the regenerated responses (carry them back to skip regeneration);
+#   KEEP_REGEN=1 also returns the regenerated responses as $OUT/regen/regen.tar.xz.part-* (cat them; stage the
+#   whole with stage-device.sh and `tar xJf /tmp/regen.tar.xz -C /` on the machine to skip regeneration: it is
+#   11.5 min on an H100; with CACHE=/tmp/regen the archive unpacks back there);
 #   CACHE=DIR keeps them there (default runs/regen; each device call gets a fresh copy of the tree,
 #   so a path outside it, such as /tmp/regen, survives between calls to a warm machine, as does an OUT_DIR there).
 # GEN_BATCH 1024 fits the H200; on an H100 (80 GB) regeneration runs out of memory there: use 512.
@@ -40,5 +42,5 @@ if [ -n "${OUT:-}" ] && [ -f "$DIR/model.safetensors" ]; then
   (cd "$OUT/drafter" && split -b 15m model.safetensors model.safetensors.part- && rm model.safetensors)
 fi
 if [ -n "${OUT:-}" ] && [ -n "${KEEP_REGEN:-}" ]; then  # the regenerated responses, to carry to a later machine
-  mkdir -p "$OUT/regen" && tar -czf - "${CACHE:-runs/regen}" | split -b 15m - "$OUT/regen/regen.tgz.part-"
+  mkdir -p "$OUT/regen" && tar -cf - "${CACHE:-runs/regen}" | xz -6 -T0 | split -b 15m - "$OUT/regen/regen.tar.xz.part-"
 fi
