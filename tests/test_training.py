@@ -25,7 +25,7 @@ from runtime.training.data import Example, GenerationLimits, ResponseCache, buil
 from runtime.training.followups import follow_up_prompts
 from runtime.training.average import average_drafters
 from runtime.training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter, write_z_lab_folder
-from runtime.training.trainer import Trainer, TrainSettings, block_logits
+from runtime.training.trainer import Trainer, TrainSettings, block_logits, teacher_rows
 
 from . import fixtures
 
@@ -194,6 +194,46 @@ def test_training_over_mixed_block_sizes_draws_each_blocks_length_from_the_seed(
     assert {int(n) for n in np.concatenate(tiny_trainer(tiny_llama, examples).batch_for(0)[2])} == {BLOCK}
     with pytest.raises(RuntimeErrorBase, match="--block-sizes"):
         tiny_trainer(tiny_llama, examples, block_sizes=(BLOCK + 1,))
+
+
+def test_teacher_rows_are_the_targets_predictions_of_each_rows_label(tiny_llama: LoadedModel) -> None:
+    """On the target's own greedy continuation every teacher row's argmax is the row's label."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (7, 5)]
+    responses = greedy_batch(tiny_llama.model, prompts, max_new=14, stop_ids=frozenset())
+    examples = [Example(str(i), p, r, "test", "train") for i, (p, r) in enumerate(zip(prompts, responses))]
+    anchors = [sample_anchors(len(e.prompt_ids), len(e), BLOCK, 6, rng) for e in examples]
+    batch = make_micro_batch(examples, anchors, 6, BLOCK, MASK_ID, gamma=2.0)
+    teacher = teacher_rows(tiny_llama.model(batch.tokens).logits, batch.anchors, BLOCK)
+    valid = np.array(batch.weights) > 0
+    assert teacher.shape == (*batch.labels.shape, tiny_llama.model.args.vocab_size) and valid.sum() > 10
+    assert (np.array(mx.argmax(teacher, axis=-1))[valid] == np.array(batch.labels)[valid]).all()
+
+
+def test_the_distilled_loss_is_the_cross_entropy_at_share_0_and_the_kl_at_share_1(
+        tiny_llama: LoadedModel, examples: list[Example]) -> None:
+    trainer = tiny_trainer(tiny_llama, examples, distill=1.0)
+    micro = next(trainer.micro_batches(*trainer.batch_for(0)))
+    inputs = trainer.loss_inputs(micro)
+    drafted = block_logits(trainer.drafter, *inputs[:4])
+    itself = trainer._distilled_loss_sum(*inputs[:-1], drafted)  # the drafter's own distribution: KL 0
+    assert abs(itself.item()) < 1e-3
+    kl = trainer._distilled_loss_sum(*inputs)
+    plain = tiny_trainer(tiny_llama, examples, distill=0.0)
+    assert plain._distilled_loss_sum(*inputs).item() == pytest.approx(plain._loss_sum(*inputs[:-1]).item(), rel=1e-5)
+    assert kl.item() > 0.1 and kl.item() != pytest.approx(plain._loss_sum(*inputs[:-1]).item(), rel=1e-2)
+
+
+def test_distilled_training_lowers_the_loss(tiny_llama: LoadedModel, examples: list[Example]) -> None:
+    trainer = tiny_trainer(tiny_llama, examples, epochs=10, lr=1e-2, distill=0.5)
+    before = trainer.evaluate(examples)
+    first = trainer.train_step().loss
+    for _ in range(trainer.total_steps - 1):
+        last = trainer.train_step().loss
+    assert np.isfinite(last) and last < first / 2
+    assert trainer.evaluate(examples).loss < before.loss / 2
+    with pytest.raises(RuntimeErrorBase, match="--distill"):
+        tiny_trainer(tiny_llama, examples, distill=1.5)
 
 
 @pytest.mark.slow
@@ -407,7 +447,7 @@ def trained_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) 
         "--max-new-tokens", "24", "--epochs", "2", "--batch-size", "2", "--micro-batch", "2",
         "--block-size", str(BLOCK), "--layers", "2", "--taps", *map(str, TAPS), "--mask-token-id", str(MASK_ID),
         "--anchors-per-seq", "8", "--cache-dir", str(work / "cache"), "--heldout-fraction", "0",
-        "--no-compile",
+        "--distill", "0.3", "--no-compile",  # the distilled loss end to end
     ])
     return work / "out"
 

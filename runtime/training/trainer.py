@@ -60,6 +60,10 @@ class TrainSettings:
     # each block's length drawn from these (each at most the drafter's block), so the drafter
     # also drafts shorter blocks well; empty: every block at the drafter's block size
     block_sizes: tuple[int, ...] = ()
+    # share of each row's loss that is the KL from the target's own next-token distribution
+    # (the rest: cross-entropy on its greedy token): the target's full distribution tells the
+    # drafter how close the runners-up were, which a hard label does not
+    distill: float = 0.0
     seed: int = 0
     compile: bool = True
 
@@ -67,7 +71,7 @@ class TrainSettings:
 @dataclass
 class StepStats:
     step: int
-    loss: float  # weighted cross-entropy per unit weight
+    loss: float  # weighted loss (cross-entropy, with distill also the KL) per unit weight
     grad_norm: float
     lr: float
     tokens: int  # sequence tokens processed
@@ -102,6 +106,16 @@ def block_logits(drafter: DFlashDrafter, taps: mx.array, blocks: mx.array, ancho
     return drafter.logits(hidden.reshape(s, k, drafter.block_size, -1)[:, :, 1:]).astype(mx.float32)
 
 
+def teacher_rows(logits: mx.array, anchors: mx.array, block_size: int) -> mx.array:
+    """The target's logits ``[S, K, B-1, V]`` (float32) for block rows 1..B-1 from its logits over
+    whole sequences ``[S, T, V]``: row k's label ``x[a+k]`` is what position ``a+k-1`` predicts.
+    Rows past a sequence's end read its last position (they carry no weight)."""
+    s, t, v = logits.shape
+    positions = mx.minimum(anchors[:, :, None] + mx.arange(block_size - 1)[None, None, :], t - 1)
+    flat = (mx.arange(s)[:, None, None] * t + positions).reshape(-1)
+    return logits.reshape(s * t, v)[flat].reshape(*positions.shape, v).astype(mx.float32)
+
+
 def can_train_on(example: Example, block_size: int) -> bool:
     """At least one anchor fits: a whole block inside the sequence, anchored in the response."""
     return len(example.response_ids) >= block_size
@@ -115,6 +129,8 @@ class Trainer:
         wrong = [b for b in settings.block_sizes if not 2 <= b <= drafter.block_size]
         if wrong:
             raise RuntimeErrorBase(f"--block-sizes {wrong}: each must be 2..{drafter.block_size} (the drafter's block)")
+        if not 0.0 <= settings.distill <= 1.0:
+            raise RuntimeErrorBase(f"--distill {settings.distill}: the KL's share of the loss must be within 0..1")
         self.target, self.drafter, self.train, self.settings, self.dtype = target, drafter, list(train), settings, dtype
         self.gamma = settings.gamma or default_gamma(drafter.block_size)
         self.steps_per_epoch = math.ceil(len(self.train) / settings.batch_size)
@@ -126,7 +142,7 @@ class Trainer:
         )
         self.optimizer.init(self.master.trainable_parameters())
         self.step = 0
-        self._grad = nn.value_and_grad(drafter, self._loss_sum)
+        self._grad = nn.value_and_grad(drafter, self._distilled_loss_sum if settings.distill else self._loss_sum)
         self._apply = self._apply_update
         if settings.compile:
             # outputs too: value_and_grad writes its traced parameters into the drafter
@@ -141,6 +157,18 @@ class Trainer:
         ce = nn.losses.cross_entropy(block_logits(self.drafter, taps, blocks, anchors, lengths), labels)
         return (ce * weights).sum()
 
+    def _distilled_loss_sum(self, taps: mx.array, blocks: mx.array, anchors: mx.array, lengths: mx.array,
+                            labels: mx.array, weights: mx.array, teacher: mx.array) -> mx.array:
+        """:meth:`_loss_sum` with a ``distill`` share of KL(target || drafter) per row; ``teacher``:
+        the target's logits for each row's label (:func:`teacher_rows`)."""
+        logits = block_logits(self.drafter, taps, blocks, anchors, lengths)
+        ce = nn.losses.cross_entropy(logits, labels)
+        log_p = teacher - mx.logsumexp(teacher, axis=-1, keepdims=True)
+        log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        kl = (mx.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+        share = self.settings.distill
+        return (((1 - share) * ce + share * kl) * weights).sum()
+
     def _apply_update(self, grads: dict[str, Any], total_weight: mx.array) -> mx.array:
         grads = tree_map(lambda g: g / total_weight, grads)
         grads, norm = optim.clip_grad_norm(grads, self.settings.grad_clip)
@@ -153,6 +181,16 @@ class Trainer:
         """The frozen target's taps over whole sequences (logits only for the last row: unused)."""
         out = self.target(tokens, tap_layers=self.drafter.tap_layers, last_only=True)
         return out.taps.astype(self.dtype)  # type: ignore[union-attr]
+
+    def loss_inputs(self, micro: MicroBatch) -> tuple[mx.array, ...]:
+        """What the loss takes for ``micro``: the target's taps, the blocks and labels, and with
+        ``distill`` the target's logits for every label (one target forward gives both)."""
+        rows = (micro.blocks, micro.anchors, micro.lengths, micro.labels, micro.weights)
+        if not self.settings.distill:
+            return (self.taps(micro.tokens), *rows)
+        out = self.target(micro.tokens, tap_layers=self.drafter.tap_layers)
+        return (out.taps.astype(self.dtype), *rows,  # type: ignore[union-attr]
+                teacher_rows(out.logits, micro.anchors, self.drafter.block_size))
 
     def micro_batches(self, examples: Sequence[Example], anchors: Sequence[np.ndarray],
                       lengths: Sequence[np.ndarray] | None = None) -> Iterator[MicroBatch]:
@@ -187,8 +225,7 @@ class Trainer:
         examples, anchors, lengths = self.batch_for(self.step)
         loss_sum, total_weight, grads = mx.array(0.0), mx.array(0.0), None
         for micro in self.micro_batches(examples, anchors, lengths):
-            loss, g = self._grad(self.taps(micro.tokens), micro.blocks, micro.anchors, micro.lengths, micro.labels,
-                                 micro.weights)
+            loss, g = self._grad(*self.loss_inputs(micro))
             g = tree_map(lambda x: x.astype(mx.float32), g)  # half-precision sums would drift
             grads = g if grads is None else tree_map(mx.add, grads, g)
             loss_sum, total_weight = loss_sum + loss, total_weight + micro.weights.sum()
