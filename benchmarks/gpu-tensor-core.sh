@@ -3,9 +3,10 @@
 # MLX's CUDA build is staged (deploy/stage-device.sh; export PYTHONPATH=/tmp/site first):
 #   bash benchmarks/gpu-tensor-core.sh [tests] [ops] [plans] [model]
 # tests: its GPU tests; ops: 4-bit and bf16 projections at Qwen3-8B's shapes, MLX against the
-# kernel (and bf16's default, the FMA kernel), 1 and 16 rows; plans: a sweep of plans at 4-bit, or BITS=0 at bf16,
-# whose default route (the FMA kernel) trails MLX's matmul at 8B (PLANS: split,unroll,tiles,warps_n[,row_tiles] ...); model: a whole 4-bit random Qwen3-8B at oracle tau 6.5, plain and pipelined, MLX's quantized
-# matmuls (=dense) against the kernel (=tc, the default there).
+# kernel (and bf16's default, the FMA kernel), 1 and 16 rows; plans: a sweep of plans at 4-bit, or
+# BITS=0 at bf16, whose default route (the FMA kernel) trails MLX's matmul at 8B (PLANS:
+# split,unroll,tiles,warps_n[,row_tiles] ...); model: a whole 4-bit random Qwen3-8B at oracle tau 6.5,
+# plain and pipelined, MLX's quantized matmuls (=dense) against the kernel (=tc, the default there).
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
 OUT=${OUT:-/tmp/gpu-tensor-core}

@@ -12,7 +12,7 @@
 #   TAPS="L1 L2 ...": its tapped target layers and more, the added ones read through zero weights at first);
 #   KEEP_REGEN=1 also returns the regenerated responses as $OUT/regen/regen.tar.xz.part-* (cat them; stage the
 #   whole with stage-device.sh and `tar xJf /tmp/regen.tar.xz -C /` on the machine to skip regeneration: it is
-#   11.5 min on an H100; with CACHE=/tmp/regen the archive unpacks back there);
+#   8.5 min on an H100 at GEN_BATCH 512; with CACHE=/tmp/regen the archive unpacks back there);
 #   CACHE=DIR keeps them there (default runs/regen; each device call gets a fresh copy of the tree,
 #   so a path outside it, such as /tmp/regen, survives between calls to a warm machine, as does an OUT_DIR there).
 # GEN_BATCH 1024 fits the H200; on an H100 (80 GB) regeneration runs out of memory there: use 512.

@@ -185,12 +185,11 @@ class Trainer:
     def loss_inputs(self, micro: MicroBatch) -> tuple[mx.array, ...]:
         """What the loss takes for ``micro``: the target's taps, the blocks and labels, and with
         ``distill`` the target's logits for every label (one target forward gives both)."""
-        rows = (micro.blocks, micro.anchors, micro.lengths, micro.labels, micro.weights)
-        if not self.settings.distill:
-            return (self.taps(micro.tokens), *rows)
-        out = self.target(micro.tokens, tap_layers=self.drafter.tap_layers)
-        return (out.taps.astype(self.dtype), *rows,  # type: ignore[union-attr]
-                teacher_rows(out.logits, micro.anchors, self.drafter.block_size))
+        distill = bool(self.settings.distill)
+        out = self.target(micro.tokens, tap_layers=self.drafter.tap_layers, last_only=not distill)
+        inputs = (out.taps.astype(self.dtype),  # type: ignore[union-attr]
+                  micro.blocks, micro.anchors, micro.lengths, micro.labels, micro.weights)
+        return (inputs + (teacher_rows(out.logits, micro.anchors, self.drafter.block_size),)) if distill else inputs
 
     def micro_batches(self, examples: Sequence[Example], anchors: Sequence[np.ndarray],
                       lengths: Sequence[np.ndarray] | None = None) -> Iterator[MicroBatch]:
