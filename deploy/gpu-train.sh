@@ -7,6 +7,8 @@
 #   FOLLOW_UPS=N also continues N regenerated chats with a user's next message (multi-turn data);
 #   DISTILL=SHARE trains that share of the loss on the target's whole next-token distribution (runtime.train --distill;
 #   its logits over 16 sequences take a few GB more: MICRO=8 halves the micro-batch if memory runs out);
+#   ANCHORS=rounds trains first where the decode loop would start its rounds (runtime.train --anchors; a step
+#   takes about twice as long);
 #   BLOCK_SIZES="4 8 16" draws each training block's length from those sizes (a drafter for shorter blocks too);
 #   INIT=DRAFTER_DIR continues that drafter (GROW_TO=N: grown to N layers, the added ones starting as the identity;
 #   TAPS="L1 L2 ...": its tapped target layers and more, the added ones read through zero weights at first);
@@ -27,7 +29,7 @@ rc=0
 timeout "$LIMIT" python3 -m runtime.train --out "$DIR" ${MODEL:+--model "$MODEL"} --data ${DATA:-runs/prompts/train.jsonl} \
   --samples "${SAMPLES:-8000}" --max-new-tokens 256 --max-seq-len 768 --gen-batch-size "${GEN_BATCH:-128}" \
   --epochs "${EPOCHS:-6}" --lr "${LR:-6e-4}" --batch-size 32 \
-  --micro-batch "${MICRO:-16}" --distill "${DISTILL:-0}" --layers 3 --block-size 16 --save-every 50 --no-compile --cache-dir "${CACHE:-runs/regen}" --follow-ups "${FOLLOW_UPS:-0}" ${INIT:+--init "$INIT"} ${GROW_TO:+--grow-to "$GROW_TO"} ${TAPS:+--taps $TAPS} \
+  --micro-batch "${MICRO:-16}" --distill "${DISTILL:-0}" --anchors "${ANCHORS:-uniform}" --layers 3 --block-size 16 --save-every 50 --no-compile --cache-dir "${CACHE:-runs/regen}" --follow-ups "${FOLLOW_UPS:-0}" ${INIT:+--init "$INIT"} ${GROW_TO:+--grow-to "$GROW_TO"} ${TAPS:+--taps $TAPS} \
   ${BLOCK_SIZES:+--block-sizes $BLOCK_SIZES} $RESUME || rc=$?
 echo "training exit status $rc"
 if [ -n "${OUT:-}" ] && [ -f "$DIR/model.safetensors" ]; then

@@ -29,7 +29,7 @@ from .training.data import Example, GenerationLimits, ResponseCache, cache_file,
 from .training.drafter import (DrafterShape, choose_mask_token, drafter_config, grown_config, grown_drafter, new_drafter,
                                parameter_count, save_drafter)
 from .training.followups import follow_up_prompts
-from .training.trainer import StepStats, Trainer, TrainSettings, can_train_on
+from .training.trainer import ANCHOR_CHOICES, StepStats, Trainer, TrainSettings, can_train_on
 
 DEFAULT_CACHE_DIR = Path("~/.cache/dflash-runtime/regenerated")
 DEFAULT_SOURCES = ["gsm", "code", "code-def", "chat", "stdlib"]
@@ -65,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="each training block's length drawn from these (each at most the drafter's block): a "
                    "drafter trained on blocks of 16 alone drafts far worse in shorter ones (BENCHMARKS.md, session 21)")
     p.add_argument("--anchors-per-seq", type=int, default=64)
+    p.add_argument("--anchors", choices=ANCHOR_CHOICES, default="uniform",
+                   help="uniform: anchors drawn uniformly over each response; rounds: first where the decode loop "
+                   "would start its rounds with the drafter as it is (simulated at each step: mostly just past a miss, "
+                   "where tau is decided), then uniform ones up to --anchors-per-seq (a forward pass more a step)")
     p.add_argument("--distill", type=float, default=0.0, metavar="SHARE",
                    help="share of each drafted row's loss that is the KL from the target's own next-token "
                    "distribution (0..1; the rest is cross-entropy on the target's greedy token)")
@@ -136,7 +140,7 @@ def summary(run: Run, args: argparse.Namespace, drafter_params: int) -> str:
         f"{c['head_dim']}, MLP {c['intermediate_size']}, {drafter_params / 1e6:.1f}M params; taps "
         f"{dflash['target_layer_ids']}; block {dflash['block_size']}; mask {dflash['mask_token_id']} {mask_text!r}",
         f"training {args.epochs} epochs, batch {args.batch_size} (micro {args.micro_batch}), {args.anchors_per_seq} "
-        f"anchors/seq, lr {args.lr} (warm-up {args.warmup:.0%}, cosine), clip {args.grad_clip}, distill {args.distill}, "
+        f"anchors/seq ({args.anchors}), lr {args.lr} (warm-up {args.warmup:.0%}, cosine), clip {args.grad_clip}, distill {args.distill}, "
         f"seed {args.seed}",
         f"data     {' '.join(args.data)}: {args.samples} prompts, {args.follow_ups} follow-ups, responses <= "
         f"{args.max_new_tokens} new tokens, sequences <= {args.max_seq_len}",
@@ -222,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         anchors_per_seq=args.anchors_per_seq, lr=args.lr, warmup_fraction=args.warmup,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
         compile=not args.no_compile, block_sizes=tuple(args.block_sizes), distill=args.distill,
+        anchors=args.anchors,
     )
     trainer = Trainer(run.target.model, drafter, train_set, settings, dtype)
     print(f"steps    {trainer.total_steps} ({trainer.steps_per_epoch} per epoch)")

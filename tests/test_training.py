@@ -18,14 +18,15 @@ from runtime.models.dflash import DFlashDrafter
 from runtime.plain import plain_steps
 from runtime.sampling import Sampler
 from runtime.errors import RuntimeErrorBase
-from runtime.training.batches import block_labels, make_micro_batch, sample_anchors, training_mask
+from runtime.training.batches import block_labels, decoded_rounds, make_micro_batch, sample_anchors, spread, training_mask
 from runtime.training.corpora import DataError, Prompt, even_shares, file_prompts, is_heldout, load_prompts
 from runtime.training import data as data_module
 from runtime.training.data import Example, GenerationLimits, ResponseCache, build_examples, greedy_batch, regenerated
 from runtime.training.followups import follow_up_prompts
 from runtime.training.average import average_drafters
 from runtime.training.drafter import DrafterShape, choose_mask_token, drafter_config, new_drafter, write_z_lab_folder
-from runtime.training.trainer import Trainer, TrainSettings, block_logits, teacher_rows
+from runtime.speculative import SpeculativeStats, generate_speculative
+from runtime.training.trainer import Trainer, TrainSettings, block_logits, candidate_hits, teacher_rows
 
 from . import fixtures
 
@@ -60,6 +61,15 @@ def test_anchors_lie_in_the_response_with_a_whole_block_after_them() -> None:
     assert anchors.min() >= 10 and anchors.max() <= 40 - BLOCK
     every = sample_anchors(prompt_len=10, length=16, block_size=BLOCK, count=8, rng=rng)
     assert every.tolist() == list(range(10, 13))  # fewer candidates than asked: all of them
+
+
+def test_decoded_rounds_start_one_past_each_rounds_delivered_tokens() -> None:
+    hits = np.array([[1, 1, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0], [1, 0, 1],
+                     [1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 0, 0], [0, 0, 0]], dtype=bool)
+    # 0 accepts 2 -> 3 accepts 0 -> 4 accepts 1 (a hit after a miss does not count) -> 6 accepts 0 -> 7 all 3 -> past the end
+    assert decoded_rounds(hits).tolist() == [0, 3, 4, 6, 7]
+    assert decoded_rounds(np.zeros((4, 3), dtype=bool)).tolist() == [0, 1, 2, 3]
+    assert spread(np.arange(10), 4).tolist() == [0, 3, 6, 9] and spread(np.arange(3), 4).tolist() == [0, 1, 2]
 
 
 def test_labels_are_same_position_and_row_zero_predicts_nothing() -> None:
@@ -213,8 +223,9 @@ def test_teacher_rows_are_the_targets_predictions_of_each_rows_label(tiny_llama:
 def test_the_distilled_loss_is_the_cross_entropy_at_share_0_and_the_kl_at_share_1(
         tiny_llama: LoadedModel, examples: list[Example]) -> None:
     trainer = tiny_trainer(tiny_llama, examples, distill=1.0)
-    micro = next(trainer.micro_batches(*trainer.batch_for(0)))
-    inputs = trainer.loss_inputs(micro)
+    batch, anchors, _ = trainer.batch_for(0)
+    micro = trainer.micro_batch(batch[:2], anchors[:2])
+    inputs = trainer.loss_inputs(micro, *trainer.target_pass(micro.tokens))
     drafted = block_logits(trainer.drafter, *inputs[:4])
     itself = trainer._distilled_loss_sum(*inputs[:-1], drafted)  # the drafter's own distribution: KL 0
     assert abs(itself.item()) < 1e-3
@@ -234,6 +245,67 @@ def test_distilled_training_lowers_the_loss(tiny_llama: LoadedModel, examples: l
     assert trainer.evaluate(examples).loss < before.loss / 2
     with pytest.raises(RuntimeErrorBase, match="--distill"):
         tiny_trainer(tiny_llama, examples, distill=1.5)
+
+
+@pytest.fixture(scope="module")
+def greedy_examples(tiny_llama: LoadedModel) -> list[Example]:
+    """The target's own greedy continuations of random prompts, as regeneration makes them."""
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (5, 7, 6, 9, 8, 5, 7, 6)]
+    responses = greedy_batch(tiny_llama.model, prompts, max_new=40, stop_ids=frozenset())
+    return [Example(str(i), p, r, "test", "train") for i, (p, r) in enumerate(zip(prompts, responses))]
+
+
+@pytest.fixture(scope="module")
+def half_trained(tiny_llama: LoadedModel, greedy_examples: list[Example]) -> Trainer:
+    """A drafter trained until it drafts some rows right and misses others."""
+    trainer = tiny_trainer(tiny_llama, greedy_examples, epochs=10, lr=1e-2)
+    for _ in range(trainer.total_steps):
+        trainer.train_step()
+    return trainer
+
+
+def test_the_decoded_rounds_are_the_reference_loops_rounds(tiny_llama: LoadedModel, greedy_examples: list[Example],
+                                                           half_trained: Trainer) -> None:
+    drafter = half_trained.drafter
+    seen = []
+    for example in greedy_examples:
+        taps = tiny_llama.model(mx.array([example.tokens]), tap_layers=drafter.tap_layers).taps
+        hits = candidate_hits(drafter, [example], taps, per_pass=8)[0]
+        simulated = np.cumprod(hits[decoded_rounds(hits)], axis=1).sum(axis=1).tolist()
+        stats = SpeculativeStats()
+        params = GenerationParams(max_tokens=len(example.response_ids), block_size=BLOCK)
+        emissions = generate_speculative(tiny_llama.model, drafter, tiny_llama.tokenizer, example.prompt_ids, params, stats)
+        for _ in emissions:
+            pass
+        decoded = [r.facts.accepted for r in stats.rounds]
+        assert decoded[: len(simulated)] == simulated  # the loop's last rounds have no whole block in x
+        seen += simulated
+    assert 0 in seen and max(seen) > 0, "the drafter must both miss and hit for this to test anything"
+
+
+def test_training_on_decoded_rounds_puts_them_first_and_lowers_the_loss(
+        tiny_llama: LoadedModel, greedy_examples: list[Example], half_trained: Trainer) -> None:
+    count = 36  # anchors a sequence (of 37): more than its rounds, so the uniform ones fill up (spread's test: above)
+    trainer = tiny_trainer(tiny_llama, greedy_examples, epochs=6, lr=1e-2, anchors="rounds", anchors_per_seq=count)
+    trainer.drafter.update(half_trained.drafter.parameters())
+    examples, uniform, _ = trainer.batch_for(0)
+    taps = trainer.target_pass(trainer.micro_batch(examples, uniform).tokens)[0]
+    chosen = trainer.round_anchors(examples, taps, uniform)
+    some_filled = False
+    for example, hits, picked, fill in zip(examples, trainer.candidate_hits(examples, taps), chosen, uniform):
+        rounds = set(spread(len(example.prompt_ids) + decoded_rounds(hits), count).tolist())
+        assert rounds <= set(picked.tolist()) and len(picked) == min(count, len(hits)) == len(set(picked.tolist()))
+        assert set(picked.tolist()) - rounds <= set(fill.tolist())  # the rest are uniform anchors
+        some_filled = some_filled or len(rounds) < len(picked)
+    assert some_filled, "some sequence must have fewer rounds than anchors, so the uniform fill is tested"
+    before = trainer.evaluate(greedy_examples)
+    for _ in range(trainer.total_steps):
+        assert np.isfinite(trainer.train_step().loss)
+    after = trainer.evaluate(greedy_examples)
+    assert after.loss < before.loss and after.decoded >= before.decoded
+    with pytest.raises(RuntimeErrorBase, match="--anchors"):
+        tiny_trainer(tiny_llama, greedy_examples, anchors="rounds", block_sizes=(2,))
 
 
 @pytest.mark.slow

@@ -39,12 +39,38 @@ def loss_weights(block_size: int, gamma: float) -> np.ndarray:
     return np.exp(-(k - 1) / gamma).astype(np.float32)
 
 
+def candidate_anchors(prompt_len: int, length: int, block_size: int) -> np.ndarray:
+    """Every anchor in the response with a whole block inside x, in order."""
+    return np.arange(prompt_len, length - block_size + 1)
+
+
 def sample_anchors(prompt_len: int, length: int, block_size: int, count: int, rng: np.random.Generator) -> np.ndarray:
     """Up to ``count`` distinct anchors in the response, each with a whole block inside x."""
-    candidates = np.arange(prompt_len, length - block_size + 1)
+    candidates = candidate_anchors(prompt_len, length, block_size)
     if len(candidates) > count:
         candidates = np.sort(rng.choice(candidates, size=count, replace=False))
     return candidates
+
+
+def decoded_rounds(hits: np.ndarray) -> np.ndarray:
+    """Indices of the anchors a decode meets, from a drafter's hits ``[A, B-1]`` at consecutive anchors.
+
+    On the target's own greedy sequence, a round anchored at ``a`` whose first ``n`` drafts are
+    right delivers them and the target's token ``x[a+n+1]``, which anchors the next round. So
+    rounds mostly start just past a miss, where drafting is hardest, and not where uniform
+    anchors fall: tau is decided at these anchors."""
+    met, i = [], 0
+    while i < len(hits):
+        met.append(i)
+        i += int(np.cumprod(hits[i]).sum()) + 1
+    return np.asarray(met, dtype=np.int64)
+
+
+def spread(values: np.ndarray, count: int) -> np.ndarray:
+    """At most ``count`` of ``values``, evenly spaced over them."""
+    if len(values) <= count:
+        return values
+    return values[np.linspace(0, len(values) - 1, count).round().astype(np.int64)]
 
 
 def block_labels(tokens: Sequence[int], anchors: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -35,11 +35,13 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from ..errors import RuntimeErrorBase
 from ..models import DecoderModel
 from ..models.dflash import DFlashDrafter
-from .batches import MicroBatch, default_gamma, make_micro_batch, sample_anchors, sample_lengths, training_mask
+from .batches import (MicroBatch, candidate_anchors, decoded_rounds, default_gamma, make_micro_batch, sample_anchors,
+                      sample_lengths, spread, training_mask)
 from .data import Example
 from .drafter import cast_parameters
 
 ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM, LENGTH_STREAM = 0, 1, 2, 3  # independent random streams of one seed
+ANCHOR_CHOICES = ("uniform", "rounds")
 
 
 class ResumeError(RuntimeErrorBase):
@@ -64,6 +66,10 @@ class TrainSettings:
     # (the rest: cross-entropy on its greedy token): the target's full distribution tells the
     # drafter how close the runners-up were, which a hard label does not
     distill: float = 0.0
+    # "uniform": anchors drawn uniformly over the response; "rounds": first the anchors where the
+    # decode loop would start its rounds with the drafter as it is at that step (simulated on the
+    # sequence: mostly just past a miss, where tau is decided), then uniform ones up to the count
+    anchors: str = "uniform"
     seed: int = 0
     compile: bool = True
 
@@ -83,9 +89,11 @@ class EvalStats:
     loss: float
     accuracy: float  # top-1 over all supervised block rows
     acceptance: float  # teacher-forced tau: 1 + mean accepted prefix per block
+    decoded: float  # the same over the rounds a decode meets (the reference loop's tau, but for the last rounds)
 
     def __str__(self) -> str:
-        return f"loss {self.loss:.3f}  acc {self.accuracy:.3f}  tau {self.acceptance:.2f}"
+        return (f"loss {self.loss:.3f}  acc {self.accuracy:.3f}  tau {self.acceptance:.2f}  "
+                f"decoded rounds' tau {self.decoded:.2f}")
 
 
 def lr_schedule(lr: float, total_steps: int, warmup_fraction: float) -> Callable[[mx.array], mx.array]:
@@ -116,6 +124,24 @@ def teacher_rows(logits: mx.array, anchors: mx.array, block_size: int) -> mx.arr
     return logits.reshape(s * t, v)[flat].reshape(*positions.shape, v).astype(mx.float32)
 
 
+def candidate_hits(drafter: DFlashDrafter, examples: Sequence[Example], taps: mx.array,
+                   per_pass: int) -> list[np.ndarray]:
+    """The drafter's hits ``[A, B-1]`` (top-1 equal to the label) at every anchor of each sequence,
+    in order (:func:`candidate_anchors`), ``per_pass`` blocks a sequence a pass; ``taps``: the
+    target's over the sequences (padded at the end as a micro-batch pads them, or not)."""
+    b = drafter.block_size
+    candidates = [candidate_anchors(len(e.prompt_ids), len(e), b) for e in examples]
+    hits = [np.zeros((len(c), b - 1), dtype=bool) for c in candidates]
+    for start in range(0, max(map(len, candidates)), per_pass):
+        chunk = [c[start : start + per_pass] for c in candidates]
+        probe = make_micro_batch(examples, chunk, per_pass, b, drafter.args.mask_token_id, gamma=1.0)
+        logits = block_logits(drafter, taps, probe.blocks, probe.anchors)
+        hit = np.array((mx.argmax(logits, axis=-1) == probe.labels) & (probe.weights > 0))
+        for found, picked, row in zip(hits, chunk, hit):
+            found[start : start + len(picked)] = row[: len(picked)]
+    return hits
+
+
 def can_train_on(example: Example, block_size: int) -> bool:
     """At least one anchor fits: a whole block inside the sequence, anchored in the response."""
     return len(example.response_ids) >= block_size
@@ -131,6 +157,10 @@ class Trainer:
             raise RuntimeErrorBase(f"--block-sizes {wrong}: each must be 2..{drafter.block_size} (the drafter's block)")
         if not 0.0 <= settings.distill <= 1.0:
             raise RuntimeErrorBase(f"--distill {settings.distill}: the KL's share of the loss must be within 0..1")
+        if settings.anchors not in ANCHOR_CHOICES:
+            raise RuntimeErrorBase(f"--anchors {settings.anchors}: one of {', '.join(ANCHOR_CHOICES)}")
+        if settings.anchors == "rounds" and settings.block_sizes:
+            raise RuntimeErrorBase("--anchors rounds simulates whole blocks: it cannot go with --block-sizes")
         self.target, self.drafter, self.train, self.settings, self.dtype = target, drafter, list(train), settings, dtype
         self.gamma = settings.gamma or default_gamma(drafter.block_size)
         self.steps_per_epoch = math.ceil(len(self.train) / settings.batch_size)
@@ -177,30 +207,43 @@ class Trainer:
             self.drafter.update(cast_parameters(self.master, self.dtype))
         return norm
 
-    def taps(self, tokens: mx.array) -> mx.array:
-        """The frozen target's taps over whole sequences (logits only for the last row: unused)."""
-        out = self.target(tokens, tap_layers=self.drafter.tap_layers, last_only=True)
-        return out.taps.astype(self.dtype)  # type: ignore[union-attr]
-
-    def loss_inputs(self, micro: MicroBatch) -> tuple[mx.array, ...]:
-        """What the loss takes for ``micro``: the target's taps, the blocks and labels, and with
-        ``distill`` the target's logits for every label (one target forward gives both)."""
+    def target_pass(self, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The frozen target's taps over whole sequences and, with ``distill``, its logits (one forward)."""
         distill = bool(self.settings.distill)
-        out = self.target(micro.tokens, tap_layers=self.drafter.tap_layers, last_only=not distill)
-        inputs = (out.taps.astype(self.dtype),  # type: ignore[union-attr]
-                  micro.blocks, micro.anchors, micro.lengths, micro.labels, micro.weights)
-        return (inputs + (teacher_rows(out.logits, micro.anchors, self.drafter.block_size),)) if distill else inputs
+        out = self.target(tokens, tap_layers=self.drafter.tap_layers, last_only=not distill)
+        return out.taps.astype(self.dtype), (out.logits if distill else None)  # type: ignore[union-attr]
 
-    def micro_batches(self, examples: Sequence[Example], anchors: Sequence[np.ndarray],
-                      lengths: Sequence[np.ndarray] | None = None) -> Iterator[MicroBatch]:
+    def loss_inputs(self, micro: MicroBatch, taps: mx.array, logits: mx.array | None) -> tuple[mx.array, ...]:
+        """What the loss takes for ``micro``: the target's taps, the blocks and labels, and with
+        ``distill`` the target's logits for every label."""
+        inputs = (taps, micro.blocks, micro.anchors, micro.lengths, micro.labels, micro.weights)
+        return inputs + (teacher_rows(logits, micro.anchors, self.drafter.block_size),) if logits is not None else inputs
+
+    def micro_rows(self, examples: Sequence[Example]) -> Iterator[list[int]]:
         # similar lengths together waste less padding; the summed gradient is the same
         order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
         for start in range(0, len(order), self.settings.micro_batch):
-            rows = order[start : start + self.settings.micro_batch]
-            yield make_micro_batch([examples[i] for i in rows], [anchors[i] for i in rows],
-                                   self.settings.anchors_per_seq, self.drafter.block_size,
-                                   self.drafter.args.mask_token_id, self.gamma,
-                                   [lengths[i] for i in rows] if lengths is not None else None)
+            yield order[start : start + self.settings.micro_batch]
+
+    def micro_batch(self, examples: Sequence[Example], anchors: Sequence[np.ndarray],
+                    lengths: Sequence[np.ndarray] | None = None) -> MicroBatch:
+        return make_micro_batch(examples, anchors, self.settings.anchors_per_seq, self.drafter.block_size,
+                                self.drafter.args.mask_token_id, self.gamma, lengths)
+
+    def candidate_hits(self, examples: Sequence[Example], taps: mx.array) -> list[np.ndarray]:
+        # anchors_per_seq blocks a pass: every pass has the training step's shapes
+        return candidate_hits(self.drafter, examples, taps, self.settings.anchors_per_seq)
+
+    def round_anchors(self, examples: Sequence[Example], taps: mx.array,
+                      uniform: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Each sequence's decoded rounds (spread over it where there are more than ``anchors_per_seq``),
+        then its ``uniform`` anchors up to that count."""
+        count, chosen = self.settings.anchors_per_seq, []
+        for example, hits, fill in zip(examples, self.candidate_hits(examples, taps), uniform):
+            rounds = spread(len(example.prompt_ids) + decoded_rounds(hits), count)
+            extra = spread(fill[~np.isin(fill, rounds)], count - len(rounds))
+            chosen.append(np.sort(np.concatenate([rounds, extra])))
+        return chosen
 
     def batch_for(self, step: int) -> tuple[list[Example], list[np.ndarray], list[np.ndarray]]:
         """The sequences, anchors and block lengths of global step ``step``: a pure function of the seed."""
@@ -223,8 +266,13 @@ class Trainer:
         start = time.perf_counter()
         examples, anchors, lengths = self.batch_for(self.step)
         loss_sum, total_weight, grads = mx.array(0.0), mx.array(0.0), None
-        for micro in self.micro_batches(examples, anchors, lengths):
-            loss, g = self._grad(*self.loss_inputs(micro))
+        for rows in self.micro_rows(examples):
+            picked, uniform = [examples[i] for i in rows], [anchors[i] for i in rows]
+            micro = self.micro_batch(picked, uniform, [lengths[i] for i in rows])
+            taps, logits = self.target_pass(micro.tokens)
+            if self.settings.anchors == "rounds":  # same sequences, same padding: the taps still hold
+                micro = self.micro_batch(picked, self.round_anchors(picked, taps, uniform))
+            loss, g = self._grad(*self.loss_inputs(micro, taps, logits))
             g = tree_map(lambda x: x.astype(mx.float32), g)  # half-precision sums would drift
             grads = g if grads is None else tree_map(mx.add, grads, g)
             loss_sum, total_weight = loss_sum + loss, total_weight + micro.weights.sum()
@@ -239,12 +287,19 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation
 
     def evaluate(self, examples: Sequence[Example]) -> EvalStats:
-        """Teacher-forced loss, accuracy and acceptance on fixed anchors of ``examples``."""
+        """Teacher-forced loss, accuracy and acceptance on fixed anchors of ``examples``, and the
+        acceptance over the rounds a decode meets on them."""
         ce_sum = weight_sum = correct = rows = accepted = blocks = 0.0
+        round_lengths: list[np.ndarray] = []
         anchors = [self._anchors(e, np.random.default_rng([self.settings.seed, EVAL_STREAM, i]))
                    for i, e in enumerate(examples)]
-        for micro in self.micro_batches(examples, anchors):
-            logits = block_logits(self.drafter, self.taps(micro.tokens), micro.blocks, micro.anchors)
+        for group in self.micro_rows(examples):
+            picked = [examples[i] for i in group]
+            micro = self.micro_batch(picked, [anchors[i] for i in group])
+            taps = self.target_pass(micro.tokens)[0]
+            for found in self.candidate_hits(picked, taps):
+                round_lengths.append(np.cumprod(found[decoded_rounds(found)], axis=1).sum(axis=1))
+            logits = block_logits(self.drafter, taps, micro.blocks, micro.anchors)
             ce = nn.losses.cross_entropy(logits, micro.labels)
             valid = micro.weights > 0
             hits = (mx.argmax(logits, axis=-1) == micro.labels) & valid
@@ -255,7 +310,8 @@ class Trainer:
             # accepted drafts of a block: its leading run of hits, as in greedy verification
             accepted += mx.cumprod(hits.astype(mx.int32), axis=-1).sum().item()
             blocks += valid[..., 0].sum().item()
-        return EvalStats(ce_sum / max(weight_sum, 1e-9), correct / max(rows, 1), 1 + accepted / max(blocks, 1))
+        decoded = 1 + float(np.concatenate(round_lengths).mean()) if round_lengths else 1.0
+        return EvalStats(ce_sum / max(weight_sum, 1e-9), correct / max(rows, 1), 1 + accepted / max(blocks, 1), decoded)
 
     # ---------------------------------------------------------------- checkpoints
 

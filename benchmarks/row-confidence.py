@@ -1,0 +1,92 @@
+"""Where a drafter misses: its teacher-forced hits by block row and by the target's confidence.
+
+    PYTHONPATH=. python benchmarks/row-confidence.py --draft DRAFTER --prompts SET.jsonl ... [--max-tokens 256]
+
+For each prompt the target decodes greedily (as plain decoding does); then every response
+position that has a whole block after it is an anchor, and one teacher-forced pass scores
+the drafter's rows there (what a round anchored at that position would draft, had all
+earlier rounds been accepted). Per set it prints, over every anchor and over the anchors a
+decode meets (each round starts where the previous one's accepted run ended, so mostly just
+past a miss: training samples anchors uniformly, decoding does not):
+- hits by block row 1..4 (top-1 equal to the target's greedy token) and, from the leading
+  runs of hits, tau (over the decoded rounds, it is the reference loop's, but for the
+  last rounds of a response, which have no whole block);
+- row 1's hit rate by the target's own top-1 probability for that token (computed at the
+  anchor position, the step a plain decode would take): a miss where the target is sure
+  is something the drafter could learn; a miss where it hesitates between near-ties is
+  one that only the target's own computation settles.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import runtime  # noqa: F401  (first: on Linux it binds MLX's CPU matmuls to OpenBLAS before MLX loads)
+
+import mlx.core as mx
+import numpy as np
+from protocol import GenerationParams
+
+from runtime.bench import read_prompts, run_plain
+from runtime.defaults import default_model_path
+from runtime.drafters import resolve_drafter
+from runtime.loading import load_target
+from runtime.training.batches import candidate_anchors, decoded_rounds
+from runtime.training.data import Example
+from runtime.training.trainer import candidate_hits
+
+CONFIDENCE_EDGES = (0.0, 0.5, 0.8, 0.95, 1.01)
+ANCHORS_PER_PASS = 64  # bounds a pass's logits: anchors x (B-1) rows x vocabulary
+
+
+def score_sequence(target, drafter, prompt_ids: list[int],
+                   response_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per anchor: the hits of rows 1..B-1 ``[A, B-1]``, the target's top-1 probability for row 1's
+    token ``[A]``, and whether a decode's round starts there ``[A]``."""
+    example = Example("", prompt_ids, response_ids, "", "eval")
+    anchors = candidate_anchors(len(prompt_ids), len(example), drafter.block_size)
+    out = target.model(mx.array([example.tokens]), tap_layers=drafter.tap_layers, last_only=False)
+    probs = mx.softmax(out.logits[0].astype(mx.float32), axis=-1)
+    sure = np.array(mx.max(probs, axis=-1))[anchors]  # position a predicts x[a+1]: row 1's label
+    agrees = np.array(mx.argmax(probs, axis=-1))[anchors] == np.asarray(example.tokens)[anchors + 1]
+    if agrees.mean() < 0.95:  # the scoring is misaligned with decoding: its figures would mean nothing
+        raise SystemExit(f"the target's top-1 agrees with its greedy token at only {agrees.mean():.0%} of anchors")
+    hits = candidate_hits(drafter, [example], out.taps.astype(mx.float32), ANCHORS_PER_PASS)[0]
+    meets = np.zeros(len(hits), dtype=bool)
+    meets[decoded_rounds(hits)] = True
+    return hits, sure, meets
+
+
+def report(name: str, hits: np.ndarray, sure: np.ndarray, meets: np.ndarray) -> None:
+    """Figures over every anchor, then over the anchors decoding meets (the ones tau counts)."""
+    print(f"{name}:")
+    for label, pick in (("every anchor", np.ones(len(hits), dtype=bool)), ("decoded rounds", meets)):
+        h, p = hits[pick], sure[pick]
+        accepted = np.cumprod(h, axis=1).sum(axis=1)
+        rows = " ".join(f"{h[:, k].mean():.2f}" for k in range(4))
+        print(f"  {label}: {len(h)}, hits by row 1-4 {rows}, tau {1 + accepted.mean():.3f}")
+        for lo, hi in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]):
+            inside = (p >= lo) & (p < hi)
+            if inside.any():
+                print(f"    target p(top-1) {lo:.2f}-{min(hi, 1.0):.2f}: {inside.mean():6.1%} of them, row 1 hits "
+                      f"{h[inside, 0].mean():.2f}, {(~h[inside, 0]).sum() / max((~h[:, 0]).sum(), 1):6.1%} of row 1's misses")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--prompts", nargs="+", required=True, type=Path)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    args = parser.parse_args()
+    target = load_target(default_model_path(), dtype="float32")
+    drafter = resolve_drafter(args.draft, target, block_size=16)
+    params = GenerationParams(max_tokens=args.max_tokens)
+    for path in args.prompts:
+        scored = [score_sequence(target, drafter, ids, run_plain(target, ids, params).token_ids)
+                  for _, ids in read_prompts(path, target)]
+        report(path.stem, *(np.concatenate(parts) for parts in zip(*scored)))
+
+
+if __name__ == "__main__":
+    main()
