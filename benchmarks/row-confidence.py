@@ -50,7 +50,7 @@ def score_sequence(target, drafter, prompt_ids: list[int],
     probs = mx.softmax(out.logits[0].astype(mx.float32), axis=-1)
     sure = np.array(mx.max(probs, axis=-1))[anchors]  # position a predicts x[a+1]: row 1's label
     agrees = np.array(mx.argmax(probs, axis=-1))[anchors] == np.asarray(example.tokens)[anchors + 1]
-    if agrees.mean() < 0.95:  # the scoring is misaligned with decoding: its figures would mean nothing
+    if len(anchors) and agrees.mean() < 0.95:  # the scoring is misaligned with decoding: its figures would mean nothing
         raise SystemExit(f"the target's top-1 agrees with its greedy token at only {agrees.mean():.0%} of anchors")
     hits = candidate_hits(drafter, [example], out.taps.astype(mx.float32), ANCHORS_PER_PASS)[0]
     meets = np.zeros(len(hits), dtype=bool)
