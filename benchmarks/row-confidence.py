@@ -31,7 +31,8 @@ from protocol import GenerationParams
 from runtime.bench import read_prompts, run_plain
 from runtime.defaults import default_model_path
 from runtime.drafters import resolve_drafter
-from runtime.loading import load_target
+from runtime.loading import LoadedModel, load_target
+from runtime.models.dflash import DFlashDrafter
 from runtime.training.batches import candidate_anchors, decoded_rounds
 from runtime.training.data import Example
 from runtime.training.trainer import candidate_hits
@@ -40,7 +41,7 @@ CONFIDENCE_EDGES = (0.0, 0.5, 0.8, 0.95, 1.01)
 ANCHORS_PER_PASS = 64  # bounds a pass's logits: anchors x (B-1) rows x vocabulary
 
 
-def score_sequence(target, drafter, prompt_ids: list[int],
+def score_sequence(target: LoadedModel, drafter: DFlashDrafter, prompt_ids: list[int],
                    response_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per anchor: the hits of rows 1..B-1 ``[A, B-1]``, the target's top-1 probability for row 1's
     token ``[A]``, and whether a decode's round starts there ``[A]``."""
