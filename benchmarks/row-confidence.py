@@ -11,6 +11,8 @@ past a miss: training samples anchors uniformly, decoding does not):
 - hits by block row 1..4 (top-1 equal to the target's greedy token) and, from the leading
   runs of hits, tau (over the decoded rounds, it is the reference loop's, but for the
   last rounds of a response, which have no whole block);
+- row 1's misses at decoded rounds, and how many drafted the token after the right one or what
+  the target would say after its runner-up for the anchor (two guesses at why it misses);
 - row 1's hit rate by the target's own top-1 probability for that token (computed at the
   anchor position, the step a plain decode would take): a miss where the target is sure
   is something the drafter could learn; a miss where it hesitates between near-ties is
@@ -35,16 +37,24 @@ from runtime.loading import LoadedModel, load_target
 from runtime.models.dflash import DFlashDrafter
 from runtime.training.batches import candidate_anchors, decoded_rounds
 from runtime.training.data import Example
-from runtime.training.trainer import candidate_hits
+from runtime.training.trainer import candidate_drafts
 
 CONFIDENCE_EDGES = (0.0, 0.5, 0.8, 0.95, 1.01)
 ANCHORS_PER_PASS = 64  # bounds a pass's logits: anchors x (B-1) rows x vocabulary
 
 
+def runner_up_continues(target: LoadedModel, tokens: list[int], anchor: int, runner_up: int, drafted: int) -> bool:
+    """Whether ``drafted`` is what the target would say after its runner-up for the anchor's position."""
+    out = target.model(mx.array([tokens[:anchor] + [runner_up]]), last_only=True)
+    return int(mx.argmax(out.logits[0, -1]).item()) == drafted
+
+
 def score_sequence(target: LoadedModel, drafter: DFlashDrafter, prompt_ids: list[int],
-                   response_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   response_ids: list[int]) -> tuple[np.ndarray, ...]:
     """Per anchor: the hits of rows 1..B-1 ``[A, B-1]``, the target's top-1 probability for row 1's
-    token ``[A]``, and whether a decode's round starts there ``[A]``."""
+    token ``[A]``, whether a decode's round starts there ``[A]``, and, where it does and row 1
+    misses, whether row 1 drafted the token after the right one ``[A]`` or the target's own
+    continuation of its runner-up for the anchor ``[A]``."""
     example = Example("", prompt_ids, response_ids, "", "eval")
     anchors = candidate_anchors(len(prompt_ids), len(example), drafter.block_size)
     out = target.model(mx.array([example.tokens]), tap_layers=drafter.tap_layers, last_only=False)
@@ -53,13 +63,22 @@ def score_sequence(target: LoadedModel, drafter: DFlashDrafter, prompt_ids: list
     agrees = np.array(mx.argmax(probs, axis=-1))[anchors] == np.asarray(example.tokens)[anchors + 1]
     if len(anchors) and agrees.mean() < 0.95:  # the scoring is misaligned with decoding: its figures would mean nothing
         raise SystemExit(f"the target's top-1 agrees with its greedy token at only {agrees.mean():.0%} of anchors")
-    hits = candidate_hits(drafter, [example], out.taps.astype(mx.float32), ANCHORS_PER_PASS)[0]
+    drafted = candidate_drafts(drafter, [example], out.taps.astype(mx.float32), ANCHORS_PER_PASS)[0]
+    x = np.asarray(example.tokens)
+    hits = drafted == x[np.minimum(anchors[:, None] + np.arange(1, drafter.block_size), len(x) - 1)]
     meets = np.zeros(len(hits), dtype=bool)
     meets[decoded_rounds(hits)] = True
-    return hits, sure, meets
+    skipped, runner_up = np.zeros(len(hits), dtype=bool), np.zeros(len(hits), dtype=bool)
+    second = np.array(mx.argsort(-out.logits[0], axis=-1)[:, 1])
+    for i in np.flatnonzero(meets & ~hits[:, 0]):
+        a = int(anchors[i])
+        skipped[i] = drafted[i, 0] == x[a + 2]
+        runner_up[i] = runner_up_continues(target, example.tokens, a, int(second[a - 1]), int(drafted[i, 0]))
+    return hits, sure, meets, skipped, runner_up
 
 
-def report(name: str, hits: np.ndarray, sure: np.ndarray, meets: np.ndarray) -> None:
+def report(name: str, hits: np.ndarray, sure: np.ndarray, meets: np.ndarray, skipped: np.ndarray,
+           runner_up: np.ndarray) -> None:
     """Figures over every anchor, then over the anchors decoding meets (the ones tau counts)."""
     print(f"{name}:")
     for label, pick in (("every anchor", np.ones(len(hits), dtype=bool)), ("decoded rounds", meets)):
@@ -72,6 +91,10 @@ def report(name: str, hits: np.ndarray, sure: np.ndarray, meets: np.ndarray) -> 
             if inside.any():
                 print(f"    target p(top-1) {lo:.2f}-{min(hi, 1.0):.2f}: {inside.mean():6.1%} of them, row 1 hits "
                       f"{h[inside, 0].mean():.2f}, {(~h[inside, 0]).sum() / max((~h[:, 0]).sum(), 1):6.1%} of row 1's misses")
+    missed = meets & ~hits[:, 0]
+    print(f"  row 1's misses at decoded rounds: {missed.sum()} ({(missed & (sure >= 0.9)).sum()} where the target's "
+          f"p >= 0.9); it drafted the token after the right one in {skipped.sum()}, the target's own continuation "
+          f"of its runner-up for the anchor in {runner_up.sum()}")
 
 
 def main() -> None:

@@ -35,8 +35,8 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from ..errors import RuntimeErrorBase
 from ..models import DecoderModel
 from ..models.dflash import DFlashDrafter
-from .batches import (MicroBatch, candidate_anchors, decoded_rounds, default_gamma, make_micro_batch, sample_anchors,
-                      sample_lengths, spread, training_mask)
+from .batches import (MicroBatch, block_labels, candidate_anchors, decoded_rounds, default_gamma, make_micro_batch,
+                      sample_anchors, sample_lengths, spread, training_mask)
 from .data import Example
 from .drafter import cast_parameters
 
@@ -124,22 +124,30 @@ def teacher_rows(logits: mx.array, anchors: mx.array, block_size: int) -> mx.arr
     return logits.reshape(s * t, v)[flat].reshape(*positions.shape, v).astype(mx.float32)
 
 
-def candidate_hits(drafter: DFlashDrafter, examples: Sequence[Example], taps: mx.array,
-                   per_pass: int) -> list[np.ndarray]:
-    """The drafter's hits ``[A, B-1]`` (top-1 equal to the label) at every anchor of each sequence,
-    in order (:func:`candidate_anchors`), ``per_pass`` blocks a sequence a pass; ``taps``: the
-    target's over the sequences (padded at the end as a micro-batch pads them, or not)."""
+def candidate_drafts(drafter: DFlashDrafter, examples: Sequence[Example], taps: mx.array,
+                     per_pass: int) -> list[np.ndarray]:
+    """The drafter's top-1 tokens ``[A, B-1]`` for rows 1..B-1 at every anchor of each sequence, in
+    order (:func:`candidate_anchors`), ``per_pass`` blocks a sequence a pass; ``taps``: the target's
+    over the sequences (padded at the end as a micro-batch pads them, or not)."""
     b = drafter.block_size
     candidates = [candidate_anchors(len(e.prompt_ids), len(e), b) for e in examples]
-    hits = [np.zeros((len(c), b - 1), dtype=bool) for c in candidates]
+    drafts = [np.zeros((len(c), b - 1), dtype=np.int64) for c in candidates]
     for start in range(0, max(map(len, candidates)), per_pass):
         chunk = [c[start : start + per_pass] for c in candidates]
         probe = make_micro_batch(examples, chunk, per_pass, b, drafter.args.mask_token_id, gamma=1.0)
-        logits = block_logits(drafter, taps, probe.blocks, probe.anchors)
-        hit = np.array((mx.argmax(logits, axis=-1) == probe.labels) & (probe.weights > 0))
-        for found, picked, row in zip(hits, chunk, hit):
+        top = np.array(mx.argmax(block_logits(drafter, taps, probe.blocks, probe.anchors), axis=-1))
+        for found, picked, row in zip(drafts, chunk, top):
             found[start : start + len(picked)] = row[: len(picked)]
-    return hits
+    return drafts
+
+
+def candidate_hits(drafter: DFlashDrafter, examples: Sequence[Example], taps: mx.array,
+                   per_pass: int) -> list[np.ndarray]:
+    """Where :func:`candidate_drafts` equal the sequence's tokens ``[A, B-1]`` (every candidate's
+    block lies inside its sequence)."""
+    b = drafter.block_size
+    return [drafted == block_labels(e.tokens, candidate_anchors(len(e.prompt_ids), len(e), b), b)[0]
+            for e, drafted in zip(examples, candidate_drafts(drafter, examples, taps, per_pass))]
 
 
 def can_train_on(example: Example, block_size: int) -> bool:
