@@ -35,7 +35,7 @@ from runtime.defaults import default_model_path
 from runtime.drafters import resolve_drafter
 from runtime.loading import LoadedModel, load_target
 from runtime.models.dflash import DFlashDrafter
-from runtime.training.batches import candidate_anchors, decoded_rounds
+from runtime.training.batches import block_labels, candidate_anchors, decoded_rounds, leading_hits
 from runtime.training.data import Example
 from runtime.training.trainer import candidate_drafts
 
@@ -65,15 +65,15 @@ def score_sequence(target: LoadedModel, drafter: DFlashDrafter, prompt_ids: list
         raise SystemExit(f"the target's top-1 agrees with its greedy token at only {agrees.mean():.0%} of anchors")
     drafted = candidate_drafts(drafter, [example], out.taps.astype(mx.float32), ANCHORS_PER_PASS)[0]
     x = np.asarray(example.tokens)
-    hits = drafted == x[np.minimum(anchors[:, None] + np.arange(1, drafter.block_size), len(x) - 1)]
+    hits = drafted == block_labels(example.tokens, anchors, drafter.block_size)[0]
     meets = np.zeros(len(hits), dtype=bool)
     meets[decoded_rounds(hits)] = True
     skipped, runner_up = np.zeros(len(hits), dtype=bool), np.zeros(len(hits), dtype=bool)
-    second = np.array(mx.argsort(-out.logits[0], axis=-1)[:, 1])
     for i in np.flatnonzero(meets & ~hits[:, 0]):
         a = int(anchors[i])
         skipped[i] = drafted[i, 0] == x[a + 2]
-        runner_up[i] = runner_up_continues(target, example.tokens, a, int(second[a - 1]), int(drafted[i, 0]))
+        second = int(mx.argsort(-out.logits[0, a - 1])[1].item())  # the target's runner-up for x[a]
+        runner_up[i] = runner_up_continues(target, example.tokens, a, second, int(drafted[i, 0]))
     return hits, sure, meets, skipped, runner_up
 
 
@@ -83,7 +83,7 @@ def report(name: str, hits: np.ndarray, sure: np.ndarray, meets: np.ndarray, ski
     print(f"{name}:")
     for label, pick in (("every anchor", np.ones(len(hits), dtype=bool)), ("decoded rounds", meets)):
         h, p = hits[pick], sure[pick]
-        accepted = np.cumprod(h, axis=1).sum(axis=1)
+        accepted = leading_hits(h)
         rows = " ".join(f"{h[:, k].mean():.2f}" for k in range(4))
         print(f"  {label}: {len(h)}, hits by row 1-4 {rows}, tau {1 + accepted.mean():.3f}")
         for lo, hi in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]):

@@ -18,7 +18,8 @@ from runtime.models.dflash import DFlashDrafter
 from runtime.plain import plain_steps
 from runtime.sampling import Sampler
 from runtime.errors import RuntimeErrorBase
-from runtime.training.batches import block_labels, decoded_rounds, make_micro_batch, sample_anchors, spread, training_mask
+from runtime.training.batches import (block_labels, decoded_rounds, leading_hits, make_micro_batch, sample_anchors, spread,
+                                      training_mask)
 from runtime.training.corpora import DataError, Prompt, even_shares, file_prompts, is_heldout, load_prompts
 from runtime.training import data as data_module
 from runtime.training.data import Example, GenerationLimits, ResponseCache, build_examples, greedy_batch, regenerated
@@ -272,7 +273,7 @@ def test_the_decoded_rounds_are_the_reference_loops_rounds(tiny_llama: LoadedMod
     for example in greedy_examples:
         taps = tiny_llama.model(mx.array([example.tokens]), tap_layers=drafter.tap_layers).taps
         hits = candidate_hits(drafter, [example], taps, per_pass=8)[0]
-        simulated = np.cumprod(hits[decoded_rounds(hits)], axis=1).sum(axis=1).tolist()
+        simulated = leading_hits(hits[decoded_rounds(hits)]).tolist()
         stats = SpeculativeStats()
         params = GenerationParams(max_tokens=len(example.response_ids), block_size=BLOCK)
         emissions = generate_speculative(tiny_llama.model, drafter, tiny_llama.tokenizer, example.prompt_ids, params, stats)

@@ -59,11 +59,16 @@ def decoded_rounds(hits: np.ndarray) -> np.ndarray:
     right delivers them and the target's token ``x[a+n+1]``, which anchors the next round. So
     rounds mostly start just past a miss, where drafting is hardest, and not where uniform
     anchors fall: tau is decided at these anchors."""
-    met, i = [], 0
+    runs, met, i = leading_hits(hits), [], 0
     while i < len(hits):
         met.append(i)
-        i += int(np.cumprod(hits[i]).sum()) + 1
+        i += int(runs[i]) + 1
     return np.asarray(met, dtype=np.int64)
+
+
+def leading_hits(hits: np.ndarray) -> np.ndarray:
+    """Each block's accepted drafts under greedy verification: the leading run of its hits ``[..., B-1]``."""
+    return np.cumprod(hits, axis=-1).sum(axis=-1)
 
 
 def spread(values: np.ndarray, count: int) -> np.ndarray:

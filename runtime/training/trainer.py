@@ -35,8 +35,8 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from ..errors import RuntimeErrorBase
 from ..models import DecoderModel
 from ..models.dflash import DFlashDrafter
-from .batches import (MicroBatch, block_labels, candidate_anchors, decoded_rounds, default_gamma, make_micro_batch,
-                      sample_anchors, sample_lengths, spread, training_mask)
+from .batches import (MicroBatch, block_labels, candidate_anchors, decoded_rounds, default_gamma, leading_hits,
+                      make_micro_batch, sample_anchors, sample_lengths, spread, training_mask)
 from .data import Example
 from .drafter import cast_parameters
 
@@ -306,7 +306,7 @@ class Trainer:
             micro = self.micro_batch(picked, [anchors[i] for i in group])
             taps = self.target_pass(micro.tokens)[0]
             for found in self.candidate_hits(picked, taps):
-                round_lengths.append(np.cumprod(found[decoded_rounds(found)], axis=1).sum(axis=1))
+                round_lengths.append(leading_hits(found[decoded_rounds(found)]))
             logits = block_logits(self.drafter, taps, micro.blocks, micro.anchors)
             ce = nn.losses.cross_entropy(logits, micro.labels)
             valid = micro.weights > 0
