@@ -125,28 +125,30 @@ def teacher_rows(logits: mx.array, anchors: mx.array, block_size: int) -> mx.arr
 
 
 def candidate_drafts(drafter: DFlashDrafter, examples: Sequence[Example], taps: mx.array,
-                     per_pass: int) -> list[np.ndarray]:
-    """The drafter's top-1 tokens ``[A, B-1]`` for rows 1..B-1 at every anchor of each sequence, in
-    order (:func:`candidate_anchors`), ``per_pass`` blocks a sequence a pass; ``taps``: the target's
-    over the sequences (padded at the end as a micro-batch pads them, or not)."""
+                     per_pass: int, top: int = 1) -> list[np.ndarray]:
+    """The drafter's best ``top`` tokens ``[A, B-1, top]`` (best first) for rows 1..B-1 at every
+    anchor of each sequence, in order (:func:`candidate_anchors`), ``per_pass`` blocks a sequence
+    a pass; ``taps``: the target's over the sequences (padded at the end as a micro-batch pads
+    them, or not)."""
     b = drafter.block_size
     candidates = [candidate_anchors(len(e.prompt_ids), len(e), b) for e in examples]
-    drafts = [np.zeros((len(c), b - 1), dtype=np.int64) for c in candidates]
+    drafts = [np.zeros((len(c), b - 1, top), dtype=np.int64) for c in candidates]
     for start in range(0, max(map(len, candidates)), per_pass):
         chunk = [c[start : start + per_pass] for c in candidates]
         probe = make_micro_batch(examples, chunk, per_pass, b, drafter.args.mask_token_id, gamma=1.0)
-        top = np.array(mx.argmax(block_logits(drafter, taps, probe.blocks, probe.anchors), axis=-1))
-        for found, picked, row in zip(drafts, chunk, top):
+        logits = block_logits(drafter, taps, probe.blocks, probe.anchors)
+        best = mx.argmax(logits, axis=-1)[..., None] if top == 1 else mx.argsort(-logits, axis=-1)[..., :top]
+        for found, picked, row in zip(drafts, chunk, np.array(best)):
             found[start : start + len(picked)] = row[: len(picked)]
     return drafts
 
 
 def candidate_hits(drafter: DFlashDrafter, examples: Sequence[Example], taps: mx.array,
                    per_pass: int) -> list[np.ndarray]:
-    """Where :func:`candidate_drafts` equal the sequence's tokens ``[A, B-1]`` (every candidate's
-    block lies inside its sequence)."""
+    """Where :func:`candidate_drafts`' top-1 tokens equal the sequence's ``[A, B-1]`` (every
+    candidate's block lies inside its sequence)."""
     b = drafter.block_size
-    return [drafted == block_labels(e.tokens, candidate_anchors(len(e.prompt_ids), len(e), b), b)[0]
+    return [drafted[..., 0] == block_labels(e.tokens, candidate_anchors(len(e.prompt_ids), len(e), b), b)[0]
             for e, drafted in zip(examples, candidate_drafts(drafter, examples, taps, per_pass))]
 
 
