@@ -17,9 +17,10 @@ past a miss: training samples anchors uniformly, decoding does not):
   anchor position, the step a plain decode would take): a miss where the target is sure
   is something the drafter could learn; a miss where it hesitates between near-ties is
   one that only the target's own computation settles;
-- tau at decoded rounds had each round verified K blocks that differ only in row 1 (row 1's K
-  best tokens, the other rows their best): what branching on row 1 alone could buy, since its
-  misses cost whole rounds.
+- tau had each round verified several blocks (a tree of drafts: row 1's K best tokens, or rows 1
+  and 2's, or one runner-up in one of rows 1-3; every other row its best), the decode chain
+  recomputed for each shape: what branching could buy, since a miss in an early row costs most
+  of a round.
 """
 
 from __future__ import annotations
@@ -44,7 +45,16 @@ from runtime.training.trainer import candidate_drafts
 
 CONFIDENCE_EDGES = (0.0, 0.5, 0.8, 0.95, 1.01)
 ANCHORS_PER_PASS = 64  # bounds a pass's logits: anchors x (B-1) rows x vocabulary
-BRANCHES = (2, 4, 8)
+TOP = 8  # the drafter's best tokens a row keeps for TREES
+# blocks a round would verify, each as the drafter's rank of the token in rows 1, 2, ... (later rows: its best)
+TREES = {
+    "row 1's best 2": [(0,), (1,)],
+    "row 1's best 4": [(i,) for i in range(4)],
+    "row 1's best 8": [(i,) for i in range(8)],
+    "rows 1-2's best 2x2": [(i, j) for i in range(2) for j in range(2)],
+    "rows 1-2's best 4x2": [(i, j) for i in range(4) for j in range(2)],
+    "a runner-up in row 1, 2 or 3 (4 blocks)": [(0,), (1,), (0, 1), (0, 0, 1)],
+}
 
 
 def runner_up_continues(target: LoadedModel, tokens: list[int], anchor: int, runner_up: int, drafted: int) -> bool:
@@ -60,10 +70,16 @@ def met_by(hits: np.ndarray) -> np.ndarray:
     return meets
 
 
-def branched(hits: np.ndarray, row1: np.ndarray) -> np.ndarray:
-    """The hits of rounds that verify several blocks differing in row 1 alone: row 1 hits where
-    any of them is right ``row1 [A]``; a later row's hit needs it, and the best token there."""
-    return np.concatenate([row1[:, None], hits[:, 1:]], axis=1)
+def tree_hits(best: np.ndarray, labels: np.ndarray, tree: list[tuple[int, ...]]) -> np.ndarray:
+    """Hits ``[A, B-1]`` of rounds that verify every block of ``tree`` (ranks into the drafter's
+    best tokens ``best [A, B-1, top]``) and keep the one accepted furthest."""
+    accepted = np.zeros(len(labels), dtype=np.int64)
+    for ranks in tree:
+        hits = best[..., 0] == labels
+        for row, rank in enumerate(ranks):
+            hits[:, row] = best[:, row, rank] == labels[:, row]
+        accepted = np.maximum(accepted, leading_hits(hits))
+    return np.arange(labels.shape[1])[None, :] < accepted[:, None]
 
 
 def score_sequence(target: LoadedModel, drafter: DFlashDrafter, prompt_ids: list[int],
@@ -71,8 +87,9 @@ def score_sequence(target: LoadedModel, drafter: DFlashDrafter, prompt_ids: list
     """Per anchor: the hits of rows 1..B-1 ``[A, B-1]``, the target's top-1 probability for row 1's
     token ``[A]``, whether a decode's round starts there ``[A]``, and, where it does and row 1
     misses, whether row 1 drafted the token after the right one ``[A]`` or the target's own
-    continuation of its runner-up for the anchor ``[A]``; whether row 1's label is among its best
-    K tokens there ``[A, len(BRANCHES)]`` and whether a decode branching on them meets it ``[A, len(BRANCHES)]``."""
+    continuation of its runner-up for the anchor ``[A]``; and per tree of :data:`TREES`, the drafts a
+    round verifying it accepts ``[A, len(TREES)]`` and whether a decode with such rounds meets the
+    anchor ``[A, len(TREES)]``."""
     example = Example("", prompt_ids, response_ids, "", "eval")
     anchors = candidate_anchors(len(prompt_ids), len(example), drafter.block_size)
     out = target.model(mx.array([example.tokens]), tap_layers=drafter.tap_layers, last_only=False)
@@ -81,24 +98,25 @@ def score_sequence(target: LoadedModel, drafter: DFlashDrafter, prompt_ids: list
     agrees = np.array(mx.argmax(probs, axis=-1))[anchors] == np.asarray(example.tokens)[anchors + 1]
     if len(anchors) and agrees.mean() < 0.95:  # the scoring is misaligned with decoding: its figures would mean nothing
         raise SystemExit(f"the target's top-1 agrees with its greedy token at only {agrees.mean():.0%} of anchors")
-    best = candidate_drafts(drafter, [example], out.taps.astype(mx.float32), ANCHORS_PER_PASS, max(BRANCHES))[0]
+    best = candidate_drafts(drafter, [example], out.taps.astype(mx.float32), ANCHORS_PER_PASS, TOP)[0]
     x, drafted = np.asarray(example.tokens), best[..., 0]
     labels = block_labels(example.tokens, anchors, drafter.block_size)[0]
     hits = drafted == labels
-    among = np.stack([(best[:, 0, :k] == labels[:, :1]).any(axis=1) for k in BRANCHES], axis=1)
+    trees = [tree_hits(best, labels, tree) for tree in TREES.values()]
+    tree_accepted = np.stack([leading_hits(h) for h in trees], axis=1)
+    tree_meets = np.stack([met_by(h) for h in trees], axis=1)
     meets = met_by(hits)
-    branch_meets = np.stack([met_by(branched(hits, among[:, i])) for i in range(len(BRANCHES))], axis=1)
     skipped, runner_up = np.zeros(len(hits), dtype=bool), np.zeros(len(hits), dtype=bool)
     for i in np.flatnonzero(meets & ~hits[:, 0]):
         a = int(anchors[i])
         skipped[i] = drafted[i, 0] == x[a + 2]
         second = int(mx.argsort(-out.logits[0, a - 1])[1].item())  # the target's runner-up for x[a]
         runner_up[i] = runner_up_continues(target, example.tokens, a, second, int(drafted[i, 0]))
-    return hits, sure, meets, skipped, runner_up, among, branch_meets
+    return hits, sure, meets, skipped, runner_up, tree_accepted, tree_meets
 
 
 def report(name: str, hits: np.ndarray, sure: np.ndarray, meets: np.ndarray, skipped: np.ndarray,
-           runner_up: np.ndarray, among: np.ndarray, branch_meets: np.ndarray) -> None:
+           runner_up: np.ndarray, tree_accepted: np.ndarray, tree_meets: np.ndarray) -> None:
     """Figures over every anchor, then over the anchors decoding meets (the ones tau counts)."""
     print(f"{name}:")
     for label, pick in (("every anchor", np.ones(len(hits), dtype=bool)), ("decoded rounds", meets)):
@@ -115,9 +133,8 @@ def report(name: str, hits: np.ndarray, sure: np.ndarray, meets: np.ndarray, ski
     print(f"  row 1's misses at decoded rounds: {missed.sum()} ({(missed & (sure >= 0.9)).sum()} where the target's "
           f"p >= 0.9); it drafted the token after the right one in {skipped.sum()}, the target's own continuation "
           f"of its runner-up for the anchor in {runner_up.sum()}")
-    print("  decoded rounds verifying K blocks that differ in row 1 alone: " + ", ".join(
-          f"K={k} tau {1 + leading_hits(branched(hits, among[:, i])[branch_meets[:, i]]).mean():.3f}"
-          for i, k in enumerate(BRANCHES)))
+    for i, name in enumerate(TREES):
+        print(f"  rounds verifying {name}: tau {1 + tree_accepted[tree_meets[:, i], i].mean():.3f}")
 
 
 def main() -> None:
