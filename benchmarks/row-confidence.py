@@ -73,9 +73,9 @@ def met_by(hits: np.ndarray) -> np.ndarray:
 def tree_hits(best: np.ndarray, labels: np.ndarray, tree: list[tuple[int, ...]]) -> np.ndarray:
     """Hits ``[A, B-1]`` of rounds that verify every block of ``tree`` (ranks into the drafter's
     best tokens ``best [A, B-1, top]``) and keep the one accepted furthest."""
-    accepted = np.zeros(len(labels), dtype=np.int64)
+    accepted, top1 = np.zeros(len(labels), dtype=np.int64), best[..., 0] == labels
     for ranks in tree:
-        hits = best[..., 0] == labels
+        hits = top1.copy()
         for row, rank in enumerate(ranks):
             hits[:, row] = best[:, row, rank] == labels[:, row]
         accepted = np.maximum(accepted, leading_hits(hits))
