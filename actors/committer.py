@@ -151,15 +151,15 @@ class Committer(Actor):
         drafted = self.drafts.get(message.request_id, message.round)
         verified, draft = out.host(), drafted.host()  # the first row read of a step waits for the step
         ready = time.perf_counter()
-        a = verified.accepted
+        a, drafts = verified.accepted, draft.blocks[verified.branch]
         facts = RoundFacts(
-            round=message.round, anchor_pos=verified.kv_before, block_size=message.block_size, drafts=draft.drafts,
+            round=message.round, anchor_pos=verified.kv_before, block_size=message.block_size, drafts=drafts,
             target_tokens=verified.target_tokens, accepted=a,
-            committed=draft.drafts[:a] + [verified.bonus], committed_before=request.auditor.committed,
+            committed=drafts[:a] + [verified.bonus], committed_before=request.auditor.committed,
             target_kv_before=verified.kv_before, target_kv_after=verified.kv_after,
             drafter_ctx_before=draft.ctx_before, drafter_ctx_after=draft.ctx_after,
             new_ctx_rows=verified.keep,  # the rows the drafter really keeps, not a+1 assumed
-            tap_shape=out.tap_shape, greedy=request.greedy,
+            tap_shape=out.tap_shape, greedy=request.greedy, branch=verified.branch,
         )
         return facts, ready
 

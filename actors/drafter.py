@@ -52,9 +52,11 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
     name = "drafter"
 
     def __init__(self, drafter: DFlashDrafter, schedule: Schedule, inbox: Inbox, *, verified: RoundReader[RoundOutputs],
-                 verifier: Outbox, committer: Outbox, results: RoundResults[DraftOutputs] | None = None, pad_batches: bool | None = None) -> None:
+                 verifier: Outbox, committer: Outbox, results: RoundResults[DraftOutputs] | None = None, pad_batches: bool | None = None,
+                 branches: int = 1) -> None:
+        """``branches``: blocks a round drafts for the verifier to choose from (runtime/branches.py)."""
         super().__init__(inbox, failures=committer, results=results)
-        self.drafter, self.schedule = drafter, schedule
+        self.drafter, self.schedule, self.branches = drafter, schedule, branches
         self.pad_batches = default_pad_batches() if pad_batches is None else pad_batches
         self.verified = verified
         self.verifier, self.committer = verifier, committer
@@ -128,7 +130,7 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
 
     def _forward(self, ids: list[str], requests: Sequence[DrafterRequest],
                  previous: Sequence[RoundOutputs]) -> tuple[Proposal, mx.array, mx.array]:
-        """Drafts ``[R, L-1]`` (with their q where sampled) and the context lengths before and after, for stacked requests.
+        """Drafts ``[R, K, L-1]`` (with their q where sampled) and the context lengths before and after, for stacked requests.
 
         Every row drafts at the widest block of the batch (a request's smaller block is
         masked, not cut, so it drafts as alone); blank rows pad the batch when asked.
@@ -170,7 +172,7 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
             ctx_after = caches[0].length.reshape(-1)[:n]
         if width > 1:
             drafts = propose_drafts(self.drafter, hidden[:n, 1:], anchors[:n], [r.sampler for r in requests],
-                                    [r.block_size for r in requests])
+                                    [r.block_size for r in requests], self.branches)
         else:
-            drafts = Proposal(mx.zeros((n, 0), dtype=mx.int32), None)
+            drafts = Proposal(mx.zeros((n, self.branches, 0), dtype=mx.int32), None)
         return drafts, ctx_before, ctx_after

@@ -13,7 +13,7 @@ from typing import Generic, NamedTuple, Protocol, Sequence, TypeVar
 
 import mlx.core as mx
 
-from runtime.batching import HostReadout
+from runtime.batching import HostReadout, padded
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -45,7 +45,7 @@ class RoundResults(Generic[T]):
 
 
 class DraftedRow(NamedTuple):
-    drafts: list[int]
+    blocks: list[list[int]]  # the drafts of each block the round verifies (runtime/branches.py)
     ctx_before: int
     ctx_after: int
 
@@ -54,7 +54,7 @@ class DraftedRow(NamedTuple):
 class DraftStep:
     """One draft forward's device results, a row per request drafted in it."""
 
-    drafts: mx.array  # [R, width-1]: every row at the step's widest block
+    drafts: mx.array  # [R, K, width-1]: K blocks a row, every row at the step's widest block
     probs: mx.array | None  # [R, width-1, V]: the q the drafts were drawn from (DFlash 2 sampling), else None
     readout: HostReadout  # the step's drafts, context lengths before and after
 
@@ -70,7 +70,7 @@ class DraftOutputs:
 
     @property
     def drafts(self) -> mx.array:
-        """``[width-1]``: the request's full block width; the first block-1 are real."""
+        """``[K, width-1]``: the request's blocks at full block width; the first block-1 of each are real."""
         return self.step.drafts[self.row]
 
     @property
@@ -79,7 +79,9 @@ class DraftOutputs:
 
     def host(self) -> DraftedRow:
         values = self.step.readout.row(self.row).tolist()
-        return DraftedRow(values[: self.block_size - 1], values[-2], values[-1])
+        _, branches, width = self.step.drafts.shape
+        blocks = [values[k * width : k * width + self.block_size - 1] for k in range(branches)]
+        return DraftedRow(blocks, values[-2], values[-1])
 
 
 class VerifiedRow(NamedTuple):
@@ -90,6 +92,7 @@ class VerifiedRow(NamedTuple):
     keep: int
     kv_before: int
     kv_after: int
+    branch: int  # the block kept (runtime/branches.py)
     target_tokens: list[int]
 
 
@@ -98,9 +101,9 @@ class VerifyStep:
     """One verify forward's (or a prefill's) device results, a row per request in it."""
 
     bonus: mx.array  # [R]: the next anchors
-    taps: mx.array  # [R, rows, n_taps*H]: the target's taps at the step's positions
+    taps: mx.array  # [R, rows, n_taps*H]: the target's taps at the step's positions (the kept block's)
     keep: mx.array  # [R]: how many leading tap rows are accepted positions
-    readout: HostReadout  # the step's accepted, bonus, keep, kv before/after, target tokens
+    readout: HostReadout  # the step's accepted, bonus, keep, kv before/after, block kept, target tokens
 
 
 @dataclass
@@ -132,7 +135,7 @@ class RoundOutputs:
 
     def host(self) -> VerifiedRow:
         values = self.step.readout.row(self.row).tolist()
-        return VerifiedRow(*values[:5], values[5 : 5 + self.block_size])
+        return VerifiedRow(*values[:6], values[6 : 6 + self.block_size])
 
 
 def stacked_rows(parts: Sequence[tuple[mx.array, int]], rows: int | None = None) -> mx.array:
@@ -151,5 +154,4 @@ def stacked_rows(parts: Sequence[tuple[mx.array, int]], rows: int | None = None)
             out = whole[mx.array(order)]
     else:
         out = mx.stack([array[row] for array, row in parts])
-    missing = (rows or len(parts)) - len(parts)
-    return mx.concatenate([out, mx.zeros((missing, *out.shape[1:]), dtype=out.dtype)]) if missing else out
+    return padded(out, rows or len(parts))

@@ -6,6 +6,9 @@ drafter can build the next round from the verdict before the host has read it. T
 target KV's valid length advances on the device by ``a+1``; rejected positions lie past
 it and are overwritten next round.
 
+A round may verify several drafted blocks (runtime/branches.py): they go end to end into the
+same forward, and the cache and the taps keep the block accepted furthest.
+
 Rounds of many requests are verified together: at each flush every drafted round
 waiting here goes into one target forward (when the mode's schedule lets them:
 ``Schedule.verify_step``, actors/schedule.py) over their stacked caches (each row at its
@@ -35,7 +38,8 @@ from protocol import (
     Verified,
 )
 from runtime.acceptance import stacked_verdicts
-from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
+from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded, padded_batch
+from runtime.branches import block_tokens, keep_branch, kept_rows
 from runtime.cache import DeviceKVCache, KeptStack, advance_layers
 from runtime.models import DecoderModel
 from runtime.plain import check_context
@@ -117,7 +121,7 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
         first = request.sampler.sample(out.logits[:, -1])[0].astype(mx.int32)
         prompt_len = request.cache[0].length
         zero = mx.array([0], dtype=mx.int32)
-        readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1)])
+        readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1), zero])
         step = VerifyStep(first.reshape(1), out.taps, prompt_len.reshape(1), readout)
         self.results.put(message.request_id, PREFILL, RoundOutputs(step, 0, 0))
         mx.async_eval(readout.packed, out.taps)
@@ -135,22 +139,27 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
         queued = time.perf_counter()
         outputs = [self.drafts.get(m.request_id, m.round) for m in rounds]
         drafts = self._drafts_at_widest(outputs, rows)
-        width = drafts.shape[1] + 1
+        branches, width = drafts.shape[1], drafts.shape[2] + 1
         anchors = stacked_rows([(p.step.bonus, p.row) for p in
                                 (self.results.get(m.request_id, m.round - 1) for m in rounds)], rows)
-        tokens = mx.concatenate([anchors[:, None], drafts], axis=1)
-        with self._stack.stacked([m.request_id for m in rounds], [r.cache for r in requests], width, rows) as caches:
-            kv_before = caches[0].length.reshape(-1)[:n]
-            out = self.target(tokens, caches, tap_layers=self.tap_layers)
+        with self._stack.stacked([m.request_id for m in rounds], [r.cache for r in requests], branches * width, rows) as caches:
+            start = caches[0].length
+            kv_before = start.reshape(-1)[:n]
+            out = self.target(block_tokens(anchors, drafts), caches, tap_layers=self.tap_layers, branch=width)
             assert out.taps is not None
-            verdict = stacked_verdicts(drafts[:n], out.logits[:n], [b - 1 for b in blocks], [r.params for r in requests],
-                                       [r.sampler for r in requests], [o.probs for o in outputs])
+            verdict, branch = stacked_verdicts(drafts[:n], out.logits[:n], [b - 1 for b in blocks],
+                                               [r.params for r in requests], [r.sampler for r in requests],
+                                               [o.probs for o in outputs])
+            branch = padded(branch, rows)
+            taps = kept_rows(out.taps, branch, width)
+            if branches > 1:
+                keep_branch(caches, start, branch if rows > 1 else branch[0], width)
             keep = verdict.accepted + 1
-            kept = mx.concatenate([keep, mx.zeros((rows - n,), dtype=mx.int32)]) if rows > n else keep
+            kept = padded(keep, rows)
             advance_layers(caches, kept if rows > 1 else kept[0])
             kv_after = caches[0].length.reshape(-1)[:n]
-        readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, verdict.target_tokens])
-        step = VerifyStep(verdict.bonus, out.taps, keep, readout)
+        readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, branch[:n], verdict.target_tokens])
+        step = VerifyStep(verdict.bonus, taps, keep, readout)
         for row, (message, block) in enumerate(zip(rounds, blocks)):
             self.results.put(message.request_id, message.round, RoundOutputs(step, row, block))
         mx.async_eval(readout.packed, out.taps)
@@ -161,13 +170,13 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
 
     @staticmethod
     def _drafts_at_widest(outputs: Sequence[DraftOutputs], rows: int) -> mx.array:
-        """``[rows, width-1]``: the rounds' drafts at the batch's widest block (a request's smaller
+        """``[rows, K, width-1]``: the rounds' blocks at the batch's widest block (a request's smaller
         block, from its params, keeps the shape), zero rows after them."""
-        widths = {o.step.drafts.shape[1] for o in outputs}
+        widths = {o.step.drafts.shape[2] for o in outputs}
         if len(widths) == 1:
             return stacked_rows([(o.step.drafts, o.row) for o in outputs], rows)
-        blank = mx.zeros((0,), dtype=mx.int32)
-        return pad_rows([o.drafts for o in outputs] + [blank] * (rows - len(outputs)), max(widths))
+        blank = mx.zeros((outputs[0].step.drafts.shape[1], 0), dtype=mx.int32)
+        return pad_rows([o.drafts for o in outputs] + [blank] * (rows - len(outputs)), max(widths), axis=1)
 
     def _in_batch_order(self, rounds: Sequence[Drafted]) -> list[Drafted]:
         """The rounds in the kept stack's row order when they are its requests (else as they came)."""

@@ -34,6 +34,7 @@ class RequestRecord(Record, tag="request"):
     block_size: int
     n_taps: int
     hidden_size: int
+    branches: int = 1  # blocks each round verified (runtime/branches.py)
 
 
 class RoundRecord(Record, tag="round"):
@@ -58,6 +59,7 @@ class RoundRecord(Record, tag="round"):
     verify_ready: float
     commit: float
     batch_size: int = 1  # requests verified in the same target forward
+    branch: int = 0  # which of the blocks the round verified it kept (runtime/branches.py)
 
 
 class FinishRecord(Record, tag="finish"):

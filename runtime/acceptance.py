@@ -84,27 +84,45 @@ def verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sample
 
 
 def stacked_verdicts(drafts: mx.array, logits: mx.array, n_drafts: list[int], params: list[GenerationParams],
-                     samplers: list[Sampler], draft_probs: Sequence[mx.array | None] | None = None) -> Verdict:
-    """Verdicts of stacked requests: ``drafts [R, L-1]``, ``logits [R, L, V]``, vectors out.
+                     samplers: list[Sampler], draft_probs: Sequence[mx.array | None] | None = None) -> tuple[Verdict, mx.array]:
+    """Verdicts of stacked requests, each verifying ``K`` blocks (runtime/branches.py): ``drafts
+    [R, K, L-1]``, ``logits [R, K*L, V]`` (the blocks end to end); the verdict of the block each
+    row keeps, and which one it is ``[R]``.
 
-    Row r has ``n_drafts[r]`` real drafts (its own block size); the padding after them is
-    never accepted. Greedy rows share one argmax; a sampled row draws alone with its own
-    sampler, so it consumes its random stream exactly as when it runs by itself.
+    Row r has ``n_drafts[r]`` real drafts a block (its own block size); the padding after them is
+    never accepted. Greedy rows share one argmax and keep the block accepted furthest; a
+    sampled row keeps its first block and draws alone with its own sampler, so it consumes its
+    random stream exactly as when it runs by itself.
     ``draft_probs``: each row's q ``[>= n_drafts[r], V]`` where its drafts were sampled, else None.
     """
-    greedy = greedy_verdict_rows(drafts, logits, mx.array(n_drafts))
+    greedy, kept = branch_verdict_rows(drafts, logits, mx.array(n_drafts))
     if all(is_greedy(p) for p in params):
-        return greedy
-    width = logits.shape[1]
-    rows = []
+        return greedy, kept
+    width = drafts.shape[2] + 1
+    rows, first = [], mx.array(0, dtype=mx.int32)
     for r, (n, p, sampler) in enumerate(zip(n_drafts, params, samplers)):
         if is_greedy(p):
-            rows.append(Verdict(greedy.accepted[r], greedy.bonus[r], greedy.target_tokens[r]))
+            rows.append((greedy.accepted[r], greedy.bonus[r], greedy.target_tokens[r], kept[r]))
         else:
             q = draft_probs[r] if draft_probs is not None else None
-            v = sampled_verdict(drafts[r, :n], logits[r, : n + 1], p, sampler, None if q is None else q[:n])
-            rows.append(Verdict(v.accepted, v.bonus, mx.pad(v.target_tokens, (0, width - n - 1))))
-    return Verdict(*(mx.stack(parts) for parts in zip(*rows)))
+            v = sampled_verdict(drafts[r, 0, :n], logits[r, : n + 1], p, sampler, None if q is None else q[:n])
+            rows.append((v.accepted, v.bonus, mx.pad(v.target_tokens, (0, width - n - 1)), first))
+    accepted, bonus, target_tokens, branch = (mx.stack(parts) for parts in zip(*rows))
+    return Verdict(accepted, bonus, target_tokens), branch
+
+
+def branch_verdict_rows(drafts: mx.array, logits: mx.array, n_drafts: mx.array) -> tuple[Verdict, mx.array]:
+    """Greedy verdicts of ``K`` blocks a row (``drafts [R, K, L-1]``, ``logits [R, K*L, V]``): those
+    of the block accepted furthest, the earliest of equals, and which one ``[R]``."""
+    rows, k, n = drafts.shape
+    blocks = greedy_verdict_rows(drafts.reshape(rows * k, n), logits.reshape(rows * k, n + 1, -1), mx.repeat(n_drafts, k))
+    if k == 1:
+        return blocks, mx.zeros((rows,), dtype=mx.int32)
+    accepted = blocks.accepted.reshape(rows, k)
+    # one maximum a row: further accepted first, then the earlier block
+    kept = mx.argmax(accepted * k + (k - 1 - mx.arange(k)), axis=1).astype(mx.int32)
+    pick = mx.arange(rows) * k + kept
+    return Verdict(blocks.accepted[pick], blocks.bonus[pick], blocks.target_tokens[pick]), kept
 
 
 def greedy_verdict_rows(drafts: mx.array, logits: mx.array, n_drafts: mx.array) -> Verdict:

@@ -40,14 +40,20 @@ def default_pad_batches() -> bool:
     return mx.default_device() == mx.gpu
 
 
+def padded(values: mx.array, rows: int) -> mx.array:
+    """``values [n, ...]`` with zero rows after them up to ``rows`` (the batch's blank rows)."""
+    missing = rows - values.shape[0]
+    return mx.concatenate([values, mx.zeros((missing, *values.shape[1:]), dtype=values.dtype)]) if missing else values
+
+
 def pad_rows(rows: Sequence[mx.array], width: int, axis: int = 0) -> mx.array:
     """Stack rows of unequal length along a new leading axis, zero-padded to ``width`` on ``axis``."""
-    padded = []
+    out = []
     for row in rows:
         missing = width - row.shape[axis]
         if missing:
             pads = [(0, 0)] * row.ndim
             pads[axis] = (0, missing)
             row = mx.pad(row, pads)
-        padded.append(row)
-    return mx.stack(padded)
+        out.append(row)
+    return mx.stack(out)

@@ -1,7 +1,7 @@
 """``python -m runtime.bench``: plain decoding against DFlash on the same prompts, one table.
 
     python -m runtime.bench --draft PATH --prompts FILE.jsonl --max-tokens 256 [--block-size B] [--json] [--log PATH] [--repeat N]
-                            [--concurrency N] [--no-engine]
+                            [--concurrency N] [--branches K] [--no-engine]
 
 Modes: ``plain`` (no drafter), ``reference`` (the sequential DFlash loop, which also
 times a round's parts), and the actor engine in ``sequential`` (host sync every round),
@@ -41,6 +41,7 @@ from tqdm import tqdm
 from protocol import GenerationParams, TokenEvent
 
 from .blas import blas_in_use
+from .branches import SHAPES
 from .cli import add_model_arguments, new_parser, print_json, run_cli
 from .defaults import default_model_path
 from .drafters import parse_random_spec, random_drafter, resolve_drafter
@@ -83,9 +84,11 @@ def run_plain(target: LoadedModel, ids: list[int], params: GenerationParams) -> 
     return run_to_end(generate_plain(target.model, target.tokenizer, ids, params), len(ids))
 
 
-def run_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[int], params: GenerationParams) -> tuple[GenerationResult, SpeculativeStats]:
+def run_dflash(target: LoadedModel, drafter: DFlashDrafter, ids: list[int], params: GenerationParams,
+               branches: int = 1) -> tuple[GenerationResult, SpeculativeStats]:
     stats = SpeculativeStats()
-    result = run_to_end(generate_speculative(target.model, drafter, target.tokenizer, ids, params, stats), len(ids))
+    result = run_to_end(generate_speculative(target.model, drafter, target.tokenizer, ids, params, stats,
+                                             branches=branches), len(ids))
     return result, stats
 
 
@@ -118,9 +121,9 @@ def aggregate(results: list[GenerationResult]) -> dict[str, float]:
 
 
 async def run_engine(target: LoadedModel, drafter: DFlashDrafter, prompts: list[list[int]], params: GenerationParams,
-                     mode: str, log: Path | None = None) -> list[tuple[list[int], TokenEvent]]:
+                     mode: str, log: Path | None = None, branches: int = 1) -> list[tuple[list[int], TokenEvent]]:
     """Each prompt in turn through the actor engine (one request at a time: latency, not batching)."""
-    async with Engine(target, drafter, mode=mode, log=log) as engine:
+    async with Engine(target, drafter, mode=mode, log=log, branches=branches) as engine:
         results = []
         for ids in prompts:
             tokens: list[int] = []
@@ -138,7 +141,7 @@ class EngineGroup(NamedTuple):
 
 
 async def run_together(target: LoadedModel, drafter: DFlashDrafter, prompts: list[list[int]], params: GenerationParams,
-                       mode: str, log: Path | None = None) -> EngineGroup:
+                       mode: str, log: Path | None = None, branches: int = 1) -> EngineGroup:
     """All the prompts at once through one engine (their rounds share batched forwards)."""
     results: list[tuple[list[int], TokenEvent] | None] = [None] * len(prompts)
     first: list[float] = []
@@ -153,7 +156,7 @@ async def run_together(target: LoadedModel, drafter: DFlashDrafter, prompts: lis
         last.append(time.perf_counter())
         results[i] = (tokens, event)
 
-    async with Engine(target, drafter, mode=mode, log=log) as engine, anyio.create_task_group() as group:
+    async with Engine(target, drafter, mode=mode, log=log, branches=branches) as engine, anyio.create_task_group() as group:
         for i, ids in enumerate(prompts):
             group.start_soon(one, i, ids, engine)
     return EngineGroup([r for r in results if r is not None], max(last) - min(first) if first else 0.0)
@@ -185,22 +188,24 @@ def engine_summary(groups: list[EngineGroup]) -> dict[str, Any]:
 
 def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tuple[str, list[int]]],
           params: GenerationParams, log: Path | None = None, engine: bool = True, repeat: int = 1,
-          concurrency: int = 1, modes: Sequence[str] = tuple(MODES)) -> dict[str, Any]:
+          concurrency: int = 1, modes: Sequence[str] = tuple(MODES), branches: int = 1) -> dict[str, Any]:
     """Every mode on every prompt; with no drafter, plain decoding alone; without ``engine``,
     plain decoding and the reference loop (tau and exactness, quickly on a CPU).
-    ``concurrency``: the engine modes run that many prompts at once; ``modes``: which engine modes."""
+    ``concurrency``: the engine modes run that many prompts at once; ``modes``: which engine modes;
+    ``branches``: blocks every round verifies (runtime/branches.py)."""
     if concurrency < 1:
         raise RequestError("concurrency", f"must be at least 1, got {concurrency}")
     if unknown := set(modes) - set(MODES):
         raise RequestError("modes", f"unknown mode(s) {sorted(unknown)}: choose from {sorted(MODES)}")
     modes = list(modes) if engine else []
     ids = [p for _, p in prompts]
-    warm_up(target, drafter, ids, params, modes, concurrency)
-    runs = timed_runs(target, drafter, ids, params, repeat, modes, log, concurrency)
+    warm_up(target, drafter, ids, params, modes, concurrency, branches)
+    runs = timed_runs(target, drafter, ids, params, repeat, modes, log, concurrency, branches)
     plain = runs.pop("plain")
     report: dict[str, Any] = {
         "device": str(mx.default_device()), "blas": blas_in_use(), "dtype": target.compute_dtype, "quantized": target.quantized,
         "max_tokens": params.max_tokens, "prompts": len(prompts), "repeat": repeat, "concurrency": concurrency,
+        "branches": branches,
         "plain": {**aggregate(pooled(plain)), "runs_tokens_per_s": [aggregate(run)["tokens_per_s"] for run in plain]},
     }
     if drafter is not None:
@@ -211,7 +216,7 @@ def bench(target: LoadedModel, drafter: DFlashDrafter | None, prompts: list[tupl
 
 
 def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
-            modes: Sequence[str], concurrency: int = 1) -> None:
+            modes: Sequence[str], concurrency: int = 1, branches: int = 1) -> None:
     """Build every kernel and compiled step the timed runs need, so no mode pays for them.
 
     The engines decode the shortest and the longest prompt to the full length, so the
@@ -224,18 +229,19 @@ def warm_up(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[i
     run_plain(target, ids[0], warm)
     if drafter is None:
         return
-    run_dflash(target, drafter, ids[0], warm)
+    run_dflash(target, drafter, ids[0], warm, branches)
     if modes:
         for mode in modes:
-            anyio.run(run_engine, target, drafter, ids[:1], warm, mode)
-        anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, modes[0])
+            anyio.run(run_engine, target, drafter, ids[:1], warm, mode, None, branches)
+        anyio.run(run_engine, target, drafter, [min(ids, key=len), max(ids, key=len)], params, modes[0], None, branches)
         if concurrency > 1:
             for mode in modes:
-                anyio.run(run_together, target, drafter, ids[:concurrency], params, mode)
+                anyio.run(run_together, target, drafter, ids[:concurrency], params, mode, None, branches)
 
 
 def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[list[int]], params: GenerationParams,
-               repeat: int, engine_modes: Sequence[str], log: Path | None, concurrency: int = 1) -> dict[str, list[list[Any]]]:
+               repeat: int, engine_modes: Sequence[str], log: Path | None, concurrency: int = 1,
+               branches: int = 1) -> dict[str, list[list[Any]]]:
     """Each mode's results, per repeat and prompt (engine modes: per group of ``concurrency``
     prompts). Every group goes through all the modes back to back before the next starts: a
     slow phase of the machine (host timings on the GPU machine drift by tens of percent within
@@ -252,10 +258,10 @@ def timed_runs(target: LoadedModel, drafter: DFlashDrafter | None, ids: list[lis
                 bar.update()
                 if drafter is None:
                     continue
-                runs["reference"][r] += [run_dflash(target, drafter, prompt, params) for prompt in group]
+                runs["reference"][r] += [run_dflash(target, drafter, prompt, params, branches) for prompt in group]
                 bar.update()
                 for mode in engine_modes:
-                    runs[mode][r].append(anyio.run(run_together, target, drafter, group, params, mode, log))
+                    runs[mode][r].append(anyio.run(run_together, target, drafter, group, params, mode, log, branches))
                     bar.update()
     return runs
 
@@ -305,7 +311,7 @@ def dflash_report(drafter: DFlashDrafter, params: GenerationParams, runs: dict[s
 def print_table(report: dict[str, Any]) -> None:
     print(f"device {report['device']} ({report['dtype']}{', quantized' if report['quantized'] else ''}), "
           f"{report['prompts']} prompts, max_tokens {report['max_tokens']}, block {report.get('block_size', '-')}, "
-          f"engine concurrency {report['concurrency']}, "
+          f"engine concurrency {report['concurrency']}, branches {report.get('branches', 1)}, "
           f"load {report.get('load_s', 0):.1f} s")
     if "split" in report:
         print(f"prompts {report['prompt_set']}: {report['split']} split (docs/evaluation.md)")
@@ -357,6 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "fixed number of drafts (tau - 1 on average) from a random:L drafter (runtime.oracle)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
                         help=f"the engine modes to run (default all: {' '.join(MODES)})")
+    parser.add_argument("--branches", type=int, choices=sorted(SHAPES), default=1,
+                        help="blocks every round drafts and verifies, keeping the one accepted furthest (runtime/branches.py)")
     parser.add_argument("--no-engine", action="store_true",
                         help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")
     return parser.parse_args(argv)
@@ -376,7 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     params = GenerationParams(max_tokens=args.max_tokens, block_size=args.block_size)
     report = {"load_s": round(load_s, 2), "oracle_tau": args.oracle_tau, "prompt_set": str(args.prompts),
               "split": split_of(args.prompts), **bench(target, drafter, read_prompts(args.prompts, target), params, args.log,
-                                                   not args.no_engine, args.repeat, args.concurrency, args.modes)}
+                                                   not args.no_engine, args.repeat, args.concurrency, args.modes,
+                                                   args.branches)}
     print_json(report) if args.json else print_table(report)
 
 

@@ -21,6 +21,23 @@ def round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
+def causal_mask(keys: int, start: int | mx.array, n: int, branch: int = 0) -> mx.array:
+    """Which of ``keys`` positions each of ``n`` queries written at ``start`` attends: ``[n, keys]``
+    (``[R, n, keys]`` for a start per row ``[R]``).
+
+    Query i sees the keys before it. With ``branch`` > 0 the queries are blocks of ``branch``
+    rows, each continuing the cache on its own (runtime/branches.py): a query sees the keys
+    before ``start`` and its own block's rows up to itself, never another block's.
+    """
+    key_pos = mx.arange(keys)
+    query_pos = mx.array(start)[..., None] + mx.arange(n)  # [n], or [R, n]
+    mask = key_pos <= query_pos[..., None]
+    if branch and branch < n:
+        own_block = mx.array(start)[..., None] + (mx.arange(n) // branch) * branch
+        mask = mask & ((key_pos < mx.array(start)[..., None, None]) | (key_pos >= own_block[..., None]))
+    return mask
+
+
 def bucketed(length: int, capacity: int) -> int:
     """``length`` rounded up to a whole bucket, within the buffer."""
     return min(capacity, round_up(length, ATTENTION_BUCKET))
@@ -55,8 +72,9 @@ class KVCache:
         self.offset = end
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def attention_mask(self, n: int) -> tuple[int, mx.array | None]:
-        """Before ``n`` rows are written: the keys attention will read after it, and the mask.
+    def attention_mask(self, n: int, branch: int = 0) -> tuple[int, mx.array | None]:
+        """Before ``n`` rows are written: the keys attention will read after it, and the mask
+        (``branch``: the rows are blocks of that many, each on its own: ``causal_mask``).
 
         One query reads the valid keys only. Several queries (a prefill, a verified block)
         read keys in whole buckets under a mask, so their key shape changes once every
@@ -64,17 +82,24 @@ class KVCache:
         built a few times per request rather than once per round. Every layer's cache has
         the same length, so a forward computes this once and shares it.
         """
-        start, end = self.offset, self.offset + n
+        end = self.offset + n
         if n == 1:
             return end, None
         extent = round_up(end, ATTENTION_BUCKET)  # within the buffer: it grows in GROWTH_STEPs
-        return extent, mx.arange(extent)[None, :] <= (start + mx.arange(n))[:, None]
+        return extent, causal_mask(extent, self.offset, n, branch)
 
     def write_and_read(self, keys: mx.array, values: mx.array, extent: int) -> tuple[mx.array, mx.array]:
         """Append, then the first ``extent`` key/value rows (from ``attention_mask``)."""
         self.update_and_fetch(keys, values)
         assert self.keys is not None and self.values is not None
         return self.keys[..., :extent, :], self.values[..., :extent, :]
+
+    def move_rows(self, source: int, to: int, rows: int) -> None:
+        """Copy ``rows`` positions from ``source`` to ``to`` (a verify's kept block: runtime/branches.py)."""
+        assert self.keys is not None and self.values is not None
+        if source != to:
+            self.keys[..., to : to + rows, :] = self.keys[..., source : source + rows, :]
+            self.values[..., to : to + rows, :] = self.values[..., source : source + rows, :]
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` positions; returns how many were actually dropped."""
@@ -143,6 +168,25 @@ class DeviceKVCache:
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(rows, values.shape), values, axis=2)
         self._count_write(length)
 
+    def move_rows(self, source: mx.array, to: mx.array, rows: int) -> None:
+        """Copy ``rows`` positions from ``source`` to ``to`` (device scalars, or ``[R]`` when stacked),
+        lazily: a verify's kept block (runtime/branches.py). Its length does not change."""
+        assert self.keys is not None and self.values is not None
+        if source.ndim == 0:
+            b, h, _, d = self.keys.shape
+            keys = mx.slice(self.keys, source.reshape(1), axes=(2,), slice_size=(b, h, rows, d))
+            values = mx.slice(self.values, source.reshape(1), axes=(2,), slice_size=(b, h, rows, self.values.shape[3]))
+            self.keys = mx.slice_update(self.keys, keys, start_indices=to.reshape(1), axes=(2,))
+            self.values = mx.slice_update(self.values, values, start_indices=to.reshape(1), axes=(2,))
+            return
+        span = mx.arange(rows)
+        read, write = (source[:, None] + span)[:, None, :, None], (to[:, None] + span)[:, None, :, None]
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            shape = (buffer.shape[0], buffer.shape[1], rows, buffer.shape[3])
+            moved = mx.take_along_axis(buffer, mx.broadcast_to(read, shape), axis=2)
+            setattr(self, name, mx.put_along_axis(buffer, mx.broadcast_to(write, shape), moved, axis=2))
+
     def _count_write(self, rows: int) -> None:
         """``rows`` more could become valid: the bound grows until ``settle`` learns how many did."""
         self._unsettled.append(rows)
@@ -161,12 +205,12 @@ class DeviceKVCache:
         assert self.keys is not None and self.values is not None, "reserve after the first write"
         self._ensure_capacity(self.keys, self.values, self.bound + rows)
 
-    def attention_mask(self, n: int) -> tuple[int, mx.array]:
+    def attention_mask(self, n: int, branch: int = 0) -> tuple[int, mx.array]:
         """Before ``n`` rows are written at ``length``: the keys read after it, and the causal
-        mask over them that admits valid keys only (``[R, 1, n, extent]`` when stacked)."""
+        mask over them that admits valid keys only (``[R, 1, n, extent]`` when stacked;
+        ``branch``: see ``causal_mask``)."""
         extent = self.extent_after(n)
-        query_pos = self.length[..., None] + mx.arange(n)  # [n], or [R, n] when stacked
-        mask = mx.arange(extent) <= query_pos[..., None]
+        mask = causal_mask(extent, self.length, n, branch)
         return extent, mask[:, None] if mask.ndim == 3 else mask
 
     def write_and_read(self, keys: mx.array, values: mx.array, extent: int) -> tuple[mx.array, mx.array]:

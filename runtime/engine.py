@@ -26,6 +26,7 @@ from actors.schedule import MODES
 from protocol import Admit, Cancelled, Drain, GenerationParams, ModelIdentity, RequestRecord, TokenEvent
 
 from .batching import default_pad_batches
+from .branches import check_branches
 from .defaults import default_drafter_path, default_model_path
 from .drafters import RANDOM_PREFIX, resolve_drafter
 from .loading import LoadedModel, hash_folder, load_target
@@ -64,11 +65,14 @@ class EngineStats:
 class Engine:
     def __init__(self, target: LoadedModel, drafter: DFlashDrafter, *, mode: str = "pipelined",
                  log: str | Path | None = None, drafter_identity: ModelIdentity | None = None,
-                 pad_batches: bool | None = None) -> None:
-        """``pad_batches``: run batched steps at power-of-two row counts (default: on a GPU only)."""
+                 pad_batches: bool | None = None, branches: int = 1) -> None:
+        """``pad_batches``: run batched steps at power-of-two row counts (default: on a GPU only).
+        ``branches``: blocks each round drafts and verifies, keeping the one accepted furthest
+        (runtime/branches.py; greedy requests, DFlash 1 drafters)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-        self.target, self.drafter, self.mode = target, drafter, mode
+        check_branches(branches)
+        self.target, self.drafter, self.mode, self.branches = target, drafter, mode, branches
         self.log = RunLog(log) if log else None
         self._drafter_identity = drafter_identity
         self._target_identity: ModelIdentity | None = None
@@ -90,12 +94,15 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | Path | None = None, draft: str | Path | None = None, *, mode: str = "pipelined",
-             log: str | Path | None = None, dtype: str = "auto", pad_batches: bool | None = None) -> "Engine":
+             log: str | Path | None = None, dtype: str = "auto", pad_batches: bool | None = None,
+             branches: int = 1) -> "Engine":
         """Load the target (default SmolLM2-135M-Instruct) and the drafter (default: bundled)."""
+        check_branches(branches)
         target = load_target(model or default_model_path(), dtype=dtype)
         spec = str(draft) if draft is not None else None
         drafter = resolve_drafter(spec, target)
-        return cls(target, drafter, mode=mode, log=log, drafter_identity=drafter_identity(spec), pad_batches=pad_batches)
+        return cls(target, drafter, mode=mode, log=log, drafter_identity=drafter_identity(spec), pad_batches=pad_batches,
+                   branches=branches)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,7 +131,8 @@ class Engine:
         drafts: RoundResults[DraftOutputs] = RoundResults()
         verified: RoundResults[RoundOutputs] = RoundResults()
         drafter = Drafter(self.drafter, schedule, drafter_inbox, verified=verified, verifier=clone(to_verifier),
-                          committer=clone(to_committer), results=drafts, pad_batches=self._pad_batches)
+                          committer=clone(to_committer), results=drafts, pad_batches=self._pad_batches,
+                          branches=self.branches)
         verifier = Verifier(model, self.drafter.tap_layers, schedule, verifier_inbox, drafts=drafts,
                             drafter=clone(to_drafter), committer=clone(to_committer), results=verified,
                             pad_batches=self._pad_batches)
@@ -282,5 +290,5 @@ class Engine:
             request_id=admit.request_id, time=time.time(), target=self._target_identity,
             drafter=self._drafter_identity, params=params, seed=params.seed if params.seed is not None else -1,
             prompt_ids=admit.prompt_ids, mode=self.mode, block_size=block_size_for(self.drafter, params),
-            n_taps=len(self.drafter.tap_layers), hidden_size=self.target.model.args.hidden_size,
+            n_taps=len(self.drafter.tap_layers), hidden_size=self.target.model.args.hidden_size, branches=self.branches,
         ))

@@ -18,6 +18,7 @@ import anyio
 
 from protocol import GenerationParams, TokenEvent
 
+from .branches import SHAPES
 from .cli import add_model_arguments, add_sampling_arguments, new_parser, params_from_args, print_json, run_cli
 from .defaults import default_drafter_path, default_model_path
 from .drafters import resolve_drafter
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: the bundled drafter when the model is the default one, else none)")
     parser.add_argument("--block-size", type=int, default=None, help="speculative block (default: the drafter's)")
     parser.add_argument("--mode", choices=sorted(MODES), default="pipelined", help="the engine's round schedule")
+    parser.add_argument("--branches", type=int, choices=sorted(SHAPES), default=1,
+                        help="blocks every round drafts and verifies, keeping the one accepted furthest (greedy requests)")
     parser.add_argument("--log", type=Path, help="write the run log (JSON lines) that python -m runtime.replay reads")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser.parse_args(argv)
@@ -76,7 +79,8 @@ def event_json(text: str, ids: list[int], last: TokenEvent) -> dict[str, Any]:
 async def speculative(loaded: LoadedModel, draft: str | None, ids: list[int], params: GenerationParams,
                       args: argparse.Namespace) -> None:
     drafter = resolve_drafter(draft, loaded, block_size=args.block_size or 16)
-    engine = Engine(loaded, drafter, mode=args.mode, log=args.log, drafter_identity=drafter_identity(draft))
+    engine = Engine(loaded, drafter, mode=args.mode, log=args.log, drafter_identity=drafter_identity(draft),
+                    branches=args.branches)
     tokens: list[int] = []
     parts: list[str] = []
     last: TokenEvent | None = None

@@ -61,6 +61,7 @@ class RoundFacts:
     new_ctx_rows: int
     tap_shape: tuple[int, ...]
     greedy: bool = True
+    branch: int = 0  # which of the blocks the round verified it kept (runtime/branches.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

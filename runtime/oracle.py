@@ -50,8 +50,8 @@ class OracleDrafter(DFlashDrafter):
         return self
 
     def propose(self, hidden: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
-                noise: mx.array | None = None) -> Proposal:
-        real = super().propose(hidden, anchors, temperatures, noise)
+                noise: mx.array | None = None, branches: int = 1) -> Proposal:
+        real = super().propose(hidden, anchors, temperatures, noise, branches)
         n = hidden.shape[1]
         anchors = anchors.astype(mx.int32)
         right = self._continuation[anchors][:, :n]
@@ -60,4 +60,4 @@ class OracleDrafter(DFlashDrafter):
         oracle = mx.where(wrong, (right + 1) % self._vocab, right)
         # a select on the real drafts (never negative) keeps the drafter's head and argmax in
         # the graph: without it, lazy evaluation would skip the cost this instrument measures
-        return Proposal(mx.where(real.tokens < 0, real.tokens, oracle), None)
+        return Proposal(mx.where(real.tokens < 0, real.tokens, oracle[:, None]), None)  # every block the oracle's

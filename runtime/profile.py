@@ -155,7 +155,7 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
 
     def draft() -> Sequence[mx.array]:
         hidden = drafter.hidden(mx.concatenate([anchor, mask_ids])[None], taps, drafter_cache, keep=keep)
-        return [drafter.propose(hidden[:, 1:], anchor).tokens]  # DFlash 2: the selector's greedy path
+        return [drafter.propose(hidden[:, 1:], anchor).tokens[:, 0]]  # DFlash 2: the selector's greedy path
 
     def verify(drafts: mx.array) -> Sequence[mx.array]:
         result = model(mx.concatenate([anchor, drafts.reshape(-1)])[None], target_cache, tap_layers=drafter.tap_layers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from .branches import SHAPES
 from .cli import new_parser, run_cli
 from .engine import MODES, Engine
 from .server import ServerSettings, create_app
@@ -27,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; beyond: 429")
     p.add_argument("--log", help="JSONL run log (python -m runtime.replay reads it)")
     p.add_argument("--mode", choices=sorted(MODES), default="pipelined")
+    p.add_argument("--branches", type=int, choices=sorted(SHAPES), default=1,
+                   help="blocks every round drafts and verifies, keeping the one accepted furthest (greedy requests)")
     p.add_argument("--pad-batches", choices=["auto", "on", "off"], default="auto",
                    help="run batched steps at power-of-two sizes, so few kernel shapes are built (auto: on a GPU)")
     p.add_argument("--served-model-name", default=None, help="model id clients pass (default: the target's name)")
@@ -49,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_from_args(args: argparse.Namespace) -> Engine:
     """The engine the options name, not yet started (the app's lifespan starts it)."""
     pad = {"auto": None, "on": True, "off": False}[args.pad_batches]
-    return Engine.load(args.model, args.draft, mode=args.mode, log=args.log, dtype=args.dtype, pad_batches=pad)
+    return Engine.load(args.model, args.draft, mode=args.mode, log=args.log, dtype=args.dtype, pad_batches=pad,
+                       branches=args.branches)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:

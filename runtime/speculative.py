@@ -18,7 +18,8 @@ import mlx.core as mx
 
 from protocol import GenerationParams
 
-from .acceptance import Verdict, verdict
+from .acceptance import Verdict, stacked_verdicts
+from .branches import block_tokens, check_branches, keep_branch_host
 from .cache import KVCache, cache_length, trim_caches
 from .errors import RequestError
 from .invariants import RoundAuditor, RoundFacts
@@ -39,8 +40,9 @@ def draft_sampler(drafter: DFlashDrafter, params: GenerationParams) -> Sampler |
 
 
 def propose_drafts(drafter: DFlashDrafter, hidden: mx.array, anchors: mx.array, samplers: Sequence[Sampler | None],
-                   blocks: Sequence[int]) -> Proposal:
-    """The drafts of stacked blocks from the drafter's rows 1.. (``hidden [R, n, H]``, post-norm).
+                   blocks: Sequence[int], branches: int = 1) -> Proposal:
+    """The drafts of stacked blocks from the drafter's rows 1.. (``hidden [R, n, H]``, post-norm),
+    ``branches`` blocks a row (runtime/branches.py).
 
     The one place drafts come from, for the engine's drafter actor and this module's loop.
     Row r < len(samplers) belongs to a request whose block is ``blocks[r]``; a row with a
@@ -48,7 +50,7 @@ def propose_drafts(drafter: DFlashDrafter, hidden: mx.array, anchors: mx.array, 
     shape, so it drafts the same in any batch; other rows (and blank padding) are greedy.
     """
     if all(s is None for s in samplers):
-        return drafter.propose(hidden, anchors)
+        return drafter.propose(hidden, anchors, branches=branches)
     assert drafter.selector is not None
     rows, n = hidden.shape[:2]
     k = drafter.selector.top_k
@@ -57,7 +59,7 @@ def propose_drafts(drafter: DFlashDrafter, hidden: mx.array, anchors: mx.array, 
     noise += [mx.zeros((n, k))] * (rows - len(noise))
     temperatures = [s.params.temperature if s is not None else 1.0 for s in samplers]
     temperatures += [1.0] * (rows - len(temperatures))
-    return drafter.propose(hidden, anchors, mx.array(temperatures, dtype=mx.float32), mx.stack(noise))
+    return drafter.propose(hidden, anchors, mx.array(temperatures, dtype=mx.float32), mx.stack(noise), branches)
 
 
 def block_size_for(drafter: DFlashDrafter, params: GenerationParams) -> int:
@@ -95,10 +97,12 @@ class RoundOutcome:
 
 
 class SpeculativeDecoder:
-    """Prefill and rounds for one request over a bound target/drafter pair."""
+    """Prefill and rounds for one request over a bound target/drafter pair, each round verifying
+    ``branches`` blocks (runtime/branches.py)."""
 
-    def __init__(self, target: DecoderModel, drafter: DFlashDrafter, params: GenerationParams) -> None:
-        self.target, self.drafter, self.params = target, drafter, params
+    def __init__(self, target: DecoderModel, drafter: DFlashDrafter, params: GenerationParams, branches: int = 1) -> None:
+        check_branches(branches)
+        self.target, self.drafter, self.params, self.branches = target, drafter, params, branches
         self.sampler = Sampler(params)
         self.draft_sampler = draft_sampler(drafter, params)
         self.block = block_size_for(drafter, params)
@@ -116,19 +120,31 @@ class SpeculativeDecoder:
         return state, token
 
     def draft(self, state: RequestState, block: int) -> Proposal:
-        """``block-1`` drafted tokens (and their q where sampled); the pending context enters the drafter cache."""
+        """``branches`` blocks of ``block-1`` drafted tokens ``[1, K, block-1]`` (and their q where
+        sampled); the pending context enters the drafter cache."""
         tokens = mx.array([[state.anchor] + [self.drafter.args.mask_token_id] * (block - 1)])
         hidden = self.drafter.hidden(tokens, state.pending_ctx, state.drafter_cache)
         if block == 1:
-            return Proposal(mx.zeros((0,), dtype=mx.int32), None)
-        drafts = propose_drafts(self.drafter, hidden[:, 1:], mx.array([state.anchor]), [self.draft_sampler], [block])
-        return Proposal(drafts.tokens[0], None if drafts.probs is None else drafts.probs[0])
+            return Proposal(mx.zeros((1, self.branches, 0), dtype=mx.int32), None)
+        return propose_drafts(self.drafter, hidden[:, 1:], mx.array([state.anchor]), [self.draft_sampler], [block],
+                              self.branches)
 
-    def verify(self, state: RequestState, proposal: Proposal) -> tuple[Verdict, mx.array]:
-        tokens = mx.concatenate([mx.array([state.anchor], dtype=mx.int32), proposal.tokens])[None]
-        out = self.target(tokens, state.target_cache, tap_layers=self.drafter.tap_layers)
+    def verify(self, state: RequestState, proposal: Proposal) -> tuple[Verdict, mx.array, mx.array]:
+        """The verdict of the block kept, which one it is, and its taps ``[1, block, F]``; the
+        target cache holds the kept block's rows where a lone block's would be."""
+        drafts = proposal.tokens
+        width = drafts.shape[2] + 1
+        start = state.target_kv
+        out = self.target(block_tokens(mx.array([state.anchor]), drafts), state.target_cache,
+                          tap_layers=self.drafter.tap_layers, branch=width)
         assert out.taps is not None
-        return verdict(proposal.tokens, out.logits[0], self.params, self.sampler, proposal.probs), out.taps
+        result, kept = stacked_verdicts(drafts, out.logits, [width - 1], [self.params], [self.sampler],
+                                        [None if proposal.probs is None else proposal.probs[0]])
+        branch = int(kept.item()) if self.branches > 1 else 0
+        if self.branches > 1:
+            keep_branch_host(state.target_cache, start, branch, width)
+        taps = out.taps[:, branch * width : (branch + 1) * width]
+        return Verdict(result.accepted[0], result.bonus[0], result.target_tokens[0]), mx.array(branch), taps
 
     def round(self, state: RequestState, index: int) -> RoundOutcome:
         """One sequential round at the whole block, even near max_tokens (the stream trims past it),
@@ -137,14 +153,13 @@ class SpeculativeDecoder:
         kv_before, ctx_before, committed_before = state.target_kv, state.drafter_ctx, state.committed
         t0 = time.perf_counter()
         proposal = self.draft(state, block)
-        drafts = proposal.tokens
-        mx.eval(drafts)
+        mx.eval(proposal.tokens)
         t1 = time.perf_counter()
-        result, taps = self.verify(state, proposal)
+        result, kept, taps = self.verify(state, proposal)
         mx.eval(result.accepted, result.bonus, result.target_tokens, taps)
         t2 = time.perf_counter()
-        a = int(result.accepted.item())
-        draft_list = drafts.tolist()
+        a, branch = int(result.accepted.item()), int(kept.item())
+        draft_list = proposal.tokens[0, branch].tolist()
         committed = draft_list[:a] + [int(result.bonus.item())]
         trim_caches(state.target_cache, block - a - 1)
         state.pending_ctx = taps[:, : a + 1]
@@ -156,7 +171,7 @@ class SpeculativeDecoder:
             committed=committed, committed_before=committed_before, target_kv_before=kv_before,
             target_kv_after=state.target_kv, drafter_ctx_before=ctx_before,
             drafter_ctx_after=state.drafter_ctx, new_ctx_rows=int(state.pending_ctx.shape[1]),
-            tap_shape=tuple(taps.shape[1:]), greedy=is_greedy(self.params),
+            tap_shape=tuple(taps.shape[1:]), greedy=is_greedy(self.params), branch=branch,
         )
         assert self.auditor is not None, "prefill() first"
         self.auditor.check(facts)
@@ -182,12 +197,13 @@ class SpeculativeStats:
 def generate_speculative(
     target: DecoderModel, drafter: DFlashDrafter, tokenizer: Tokenizer, prompt_ids: Sequence[int],
     params: GenerationParams, stats: SpeculativeStats | None = None,
-    on_round: Callable[[RoundOutcome], None] | None = None,
+    on_round: Callable[[RoundOutcome], None] | None = None, branches: int = 1,
 ) -> Iterator[Emission]:
-    """Stream emissions of DFlash decoding until EOS, a stop string or max_tokens."""
+    """Stream emissions of DFlash decoding until EOS, a stop string or max_tokens, each round
+    verifying ``branches`` blocks (runtime/branches.py)."""
     check_params(params)
     check_context(target, len(prompt_ids), params.max_tokens)
-    decoder = SpeculativeDecoder(target, drafter, params)
+    decoder = SpeculativeDecoder(target, drafter, params, branches)
     stream = TextStream(tokenizer, params.max_tokens, params.stop)
     state, first = decoder.prefill(prompt_ids)
     emission = stream.push([first])

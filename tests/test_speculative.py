@@ -53,7 +53,7 @@ class NoisyOracleDecoder(SpeculativeDecoder):
         want = self.continuation[start : start + block - 1]
         drafts = [t if self.rng.random() > self.corruption else (t + 1) % 320 for t in want]
         drafts += [7] * (block - 1 - len(drafts))
-        return Proposal(mx.array(drafts, dtype=mx.int32), None)
+        return Proposal(mx.array([[drafts]], dtype=mx.int32), None)
 
 
 def run_decoder(decoder: SpeculativeDecoder, target: LoadedModel, prompt: list[int], params: GenerationParams) -> tuple[list[int], list[int]]:

@@ -12,7 +12,9 @@ heads back into rows is a reshape rather than a copy.
 What it computes (``cache_attention``): query ``i`` of batch row ``b`` attends the cache
 keys ``j < lengths[b] + i + 1`` when ``causal`` (a verify: the block's own rows were
 written at ``lengths[b]``), else ``j < lengths[b]``, and then, when ``fresh`` keys and
-values are given (the drafter's block), every fresh key ``j < fresh_lengths[b]``. Where
+values are given (the drafter's block), every fresh key ``j < fresh_lengths[b]``. A verify
+of several blocks (``branch``, runtime/branches.py) attends, for query ``i``, the keys before
+``lengths[b]`` and its own block's up to itself, summed as a verify of that block alone. Where
 ``uses_kernel`` says no (the CPU, a prefill, head sizes the kernel does not take, or
 ``DFLASH_ATTENTION=sdpa`` to measure one against the other) the models run the same
 attention as masked ``scaled_dot_product_attention``.
@@ -32,11 +34,13 @@ MAX_QUERIES = 64  # more queries (a prefill) go to scaled_dot_product_attention
 _HEADER = """
 #define NEGATIVE_INFINITY (-__int_as_float(0x7f800000))
 
+// keys [0, count) of a run whose first sits at position ``first``: a warp takes the positions
+// equal to it modulo WARPS, so keys split a run or not are summed by the same warp in the same order
 template <typename T, int E, int WARPS>
 __device__ inline void attend_keys(const float* qv, const T* keys, const T* values, long key_stride,
                                    long key_dim_stride, long value_stride, long value_dim_stride, int count,
-                                   int warp, int lane, float& best, float& total, float* acc) {
-  for (int j = warp; j < count; j += WARPS) {
+                                   int first, int warp, int lane, float& best, float& total, float* acc) {
+  for (int j = ((warp - first) % WARPS + WARPS) % WARPS; j < count; j += WARPS) {
     const T* key = keys + j * key_stride;
     float dot = 0.f;
 #pragma unroll
@@ -77,10 +81,22 @@ for (int e = 0; e < E; ++e) qv[e] = static_cast<float>(query[(lane * E + e) * q_
 float best = NEGATIVE_INFINITY, total = 0.f, acc[E];
 #pragma unroll
 for (int e = 0; e < E; ++e) acc[e] = 0.f;
-const int valid = lengths[ROW_LENGTHS ? b : 0] + (CAUSAL ? i + 1 : 0);
-attend_keys<T, E, WARPS>(qv, k + b * k_strides[0] + kv_head * k_strides[1], v + b * v_strides[0] + kv_head * v_strides[1],
-                         k_strides[2], k_strides[3], v_strides[2], v_strides[3], min(valid, k_shape[2]),
-                         warp, lane, best, total, acc);
+const int start = lengths[ROW_LENGTHS ? b : 0];
+const int valid = start + (CAUSAL ? i + 1 : 0);
+const T* keys = k + b * k_strides[0] + kv_head * k_strides[1];
+const T* values = v + b * v_strides[0] + kv_head * v_strides[1];
+if (BRANCH > 0) {
+  // blocks of BRANCH queries, each continuing the cache on its own: the keys before the
+  // step, then the query's own block up to itself, at the positions a lone block's would have
+  const int own = start + (i / BRANCH) * BRANCH;
+  attend_keys<T, E, WARPS>(qv, keys, values, k_strides[2], k_strides[3], v_strides[2], v_strides[3],
+                           min(start, k_shape[2]), 0, warp, lane, best, total, acc);
+  attend_keys<T, E, WARPS>(qv, keys + own * k_strides[2], values + own * v_strides[2], k_strides[2], k_strides[3],
+                           v_strides[2], v_strides[3], min(valid, k_shape[2]) - own, start, warp, lane, best, total, acc);
+} else {
+  attend_keys<T, E, WARPS>(qv, keys, values, k_strides[2], k_strides[3], v_strides[2], v_strides[3],
+                           min(valid, k_shape[2]), 0, warp, lane, best, total, acc);
+}
 {fresh}
 __shared__ float bests[WARPS], totals[WARPS], sums[WARPS][D];
 if (lane == 0) { bests[warp] = best; totals[warp] = total; }
@@ -112,7 +128,7 @@ _FRESH = """
 attend_keys<T, E, WARPS>(qv, fk + b * fk_strides[0] + kv_head * fk_strides[1],
                          fv + b * fv_strides[0] + kv_head * fv_strides[1], fk_strides[2], fk_strides[3],
                          fv_strides[2], fv_strides[3], min(fresh_lengths[ROW_FRESH ? b : 0], fk_shape[2]),
-                         warp, lane, best, total, acc);
+                         0, warp, lane, best, total, acc);
 """
 
 
@@ -128,26 +144,29 @@ def _kernel(fresh: bool) -> Any:
                                output_names=["out"], source=source, header=_HEADER, ensure_row_contiguous=False)
 
 
-def uses_kernel(queries: int, head_dim: int, dtype: mx.Dtype, scale: float) -> bool:
+def uses_kernel(queries: int, head_dim: int, dtype: mx.Dtype, scale: float, branch: int = 0) -> bool:
     """Whether ``cache_attention`` takes these queries ``[B, H, queries, head_dim]``: on a GPU, a
-    round's few queries (a prefill's many go to cuDNN's flash attention), whole warps per head."""
+    round's few queries, or its blocks of ``branch`` (a prefill's many go to cuDNN's flash
+    attention), whole warps per head."""
     return (kernel_enabled() and mx.default_device() == mx.gpu and hasattr(mx.fast, "cuda_kernel")
-            and queries <= MAX_QUERIES and head_dim % 32 == 0 and head_dim <= 256
+            and (queries <= MAX_QUERIES or branch > 0) and head_dim % 32 == 0 and head_dim <= 256
             and abs(scale - head_dim**-0.5) < 1e-6 and dtype in (mx.float16, mx.bfloat16, mx.float32))
 
 
 def cache_attention(q: mx.array, keys: mx.array, values: mx.array, lengths: mx.array, *, causal: bool,
-                    scale: float, fresh: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
+                    scale: float, fresh: tuple[mx.array, mx.array, mx.array] | None = None, branch: int = 0) -> mx.array:
     """Attention of ``q [B, H, L, D]`` over cache rows ``keys/values [B, H_kv, T, D]`` (valid
     up to ``lengths``: int32, ``[B]`` or one for all rows) and ``fresh = (keys, values, lengths)``;
-    returns ``[B, L, H, D]``."""
+    returns ``[B, L, H, D]``. ``branch`` > 0 (causal): the queries are blocks of that many,
+    each continuing the cache on its own (runtime.cache.causal_mask)."""
     b, heads, queries, head_dim = q.shape
-    assert uses_kernel(queries, head_dim, q.dtype, scale), "cache_attention: shapes uses_kernel refuses"
+    assert uses_kernel(queries, head_dim, q.dtype, scale, branch), "cache_attention: shapes uses_kernel refuses"
+    assert causal or not branch, "blocks of queries attend causally"
     int32 = lambda x: x.astype(mx.int32)  # noqa: E731 (no op when it is already)
     inputs = [q, keys, values, int32(lengths)] + ([fresh[0], fresh[1], int32(fresh[2])] if fresh is not None else [])
     # a length array of one element stands for every row
     template = [("T", q.dtype), ("D", head_dim), ("GQA", heads // keys.shape[1]), ("CAUSAL", causal),
-                ("ROW_LENGTHS", lengths.size > 1), ("WARPS", WARPS)]
+                ("ROW_LENGTHS", lengths.size > 1), ("WARPS", WARPS), ("BRANCH", branch if branch < queries else 0)]
     if fresh is not None:
         template.append(("ROW_FRESH", fresh[2].size > 1))
     (out,) = _kernel(fresh is not None)(

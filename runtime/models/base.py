@@ -103,8 +103,15 @@ class RoPE(nn.Module):
         elif kind not in ("default", None):
             raise ValueError(f"unsupported rope_scaling type {kind!r}")
 
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        return mx.fast.rope(
+    def __call__(self, x: mx.array, offset: int | mx.array = 0, branch: int = 0) -> mx.array:
+        """``x [b, heads, L, head_dim]`` at positions ``offset``.. (``[b]``: one per row); with
+        ``branch`` > 0, each block of ``branch`` rows again from ``offset`` (runtime/branches.py)."""
+        b, heads, length, dim = x.shape
+        blocks = length // branch if branch else 1
+        if blocks > 1:  # the blocks as more heads: rope's positions run along the rows of each
+            x = x.reshape(b, heads * blocks, branch, dim)
+        out = mx.fast.rope(
             x, self.head_dim, traditional=False, base=self.base, scale=self.scale,
             offset=offset, freqs=self._freqs,
         )
+        return out.reshape(b, heads, length, dim) if blocks > 1 else out

@@ -25,7 +25,16 @@ from .steps import CompiledSteps, default_compile_steps, traceable
 
 Cache = KVCache | DeviceKVCache
 PREFILL_BUCKET = ATTENTION_BUCKET  # prompts are prefilled right-padded to whole buckets
-AttentionMask = tuple[int, mx.array | None]  # a cache's attention_mask for one forward: (extent, mask)
+
+
+class AttentionMask(NamedTuple):
+    """What every layer's attention shares in one forward: the keys it reads (``extent``) and the
+    cache's mask over them; ``branch`` > 0: the rows are blocks of that many, each continuing the
+    cache on its own (runtime/branches.py), roped from the same position."""
+
+    extent: int
+    mask: mx.array | None
+    branch: int = 0
 
 
 class ForwardOutput(NamedTuple):
@@ -43,14 +52,15 @@ def cached_attention(q: mx.array, k: mx.array, v: mx.array, cache: Cache | None,
     cache's ``attention_mask`` for this forward (shared by the layers).
     """
     b, _, length, head_dim = q.shape
-    if isinstance(cache, DeviceKVCache) and uses_kernel(length, head_dim, q.dtype, scale):
+    branch = attention.branch if attention is not None else 0
+    if isinstance(cache, DeviceKVCache) and uses_kernel(length, head_dim, q.dtype, scale, branch):
         start = cache.length
         cache.write(k, v)
-        out = cache_attention(q, cache.keys, cache.values, start, causal=True, scale=scale)
+        out = cache_attention(q, cache.keys, cache.values, start, causal=True, scale=scale, branch=branch)
         return out.reshape(b, length, -1)
     mask: mx.array | str | None = "causal" if length > 1 else None
     if cache is not None:
-        extent, mask = attention or cache.attention_mask(length)
+        extent, mask, _ = attention or AttentionMask(*cache.attention_mask(length))
         k, v = cache.write_and_read(k, v, extent)
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(b, length, -1)
@@ -154,18 +164,22 @@ class DecoderModel(nn.Module):
         tap_layers: Sequence[int] = (),
         last_only: bool = False,
         logits_row: int | None = None,
+        branch: int = 0,
     ) -> ForwardOutput:
         """Forward ``tokens [B, L]``; ``tap_layers`` are 0-based layers whose output is returned.
 
         Taps come out as ``[B, L, n_taps*H]`` in ``tap_layers`` order: the
         ``[token, layer*dim]`` layout the DFlash drafter's ``fc`` consumes. ``last_only``
         computes the last row's logits alone; ``logits_row`` another row's (the last real
-        token of a right-padded prompt). With ``compile_steps``, a forward over device
-        caches that returns every row (a verify) runs as a compiled step.
+        token of a right-padded prompt). ``branch`` > 0: the rows are blocks of ``branch``
+        tokens, each continuing the cache on its own (runtime/branches.py). With
+        ``compile_steps``, a forward over device caches that returns every row (a verify) runs
+        as a compiled step.
         """
+        branch = branch if 0 < branch < tokens.shape[1] else 0  # one block: a plain forward
         if self.compile_steps and traceable(cache) and not last_only and logits_row is None:
-            return self._compiled_forward(tokens, cache, tuple(tap_layers))  # type: ignore[arg-type]
-        return self._forward(tokens, cache, tap_layers, last_only, logits_row)
+            return self._compiled_forward(tokens, cache, tuple(tap_layers), branch)  # type: ignore[arg-type]
+        return self._forward(tokens, cache, tap_layers, last_only, logits_row, branch)
 
     def prefill(self, prompt_ids: Sequence[int], cache: Sequence[DeviceKVCache],
                 tap_layers: Sequence[int] = ()) -> ForwardOutput:
@@ -184,24 +198,26 @@ class DecoderModel(nn.Module):
             layer.settle(n)
         return out
 
-    def _compiled_forward(self, tokens: mx.array, cache: Sequence[DeviceKVCache], tap_layers: tuple[int, ...]) -> ForwardOutput:
-        logits, taps = self._steps.run(cache, tokens.shape[1], tap_layers, lambda extent: partial(
-            self._traced_forward, extent=extent, tap_layers=tap_layers), tokens)
+    def _compiled_forward(self, tokens: mx.array, cache: Sequence[DeviceKVCache], tap_layers: tuple[int, ...],
+                          branch: int) -> ForwardOutput:
+        logits, taps = self._steps.run(cache, tokens.shape[1], (tap_layers, branch), lambda extent: partial(
+            self._traced_forward, extent=extent, tap_layers=tap_layers, branch=branch), tokens)
         return ForwardOutput(logits, taps if tap_layers else None)
 
     def _traced_forward(self, tokens: mx.array, arrays: list[mx.array], *, extent: int,
-                        tap_layers: tuple[int, ...]) -> list[mx.array]:
+                        tap_layers: tuple[int, ...], branch: int) -> list[mx.array]:
         traced = traced_caches(arrays, extent)
-        out = self._forward(tokens, traced, tap_layers)
+        out = self._forward(tokens, traced, tap_layers, branch=branch)
         return [out.logits, out.taps if out.taps is not None else mx.zeros((0,)), *cache_arrays(traced)]
 
     def _forward(self, tokens: mx.array, cache: Sequence[KVCache] | Sequence[DeviceKVCache] | None,
-                 tap_layers: Sequence[int] = (), last_only: bool = False, logits_row: int | None = None) -> ForwardOutput:
+                 tap_layers: Sequence[int] = (), last_only: bool = False, logits_row: int | None = None,
+                 branch: int = 0) -> ForwardOutput:
         h = self.embed(tokens)
         wanted = {lid: i for i, lid in enumerate(tap_layers)}
         tapped: list[mx.array | None] = [None] * len(tap_layers)
         # every layer's cache has the same length: one mask for all (kernels are launched per op)
-        attention = cache[0].attention_mask(tokens.shape[1]) if cache else None
+        attention = AttentionMask(*cache[0].attention_mask(tokens.shape[1], branch), branch) if cache else None
         for lid, layer in enumerate(self.model.layers):
             h = layer(h, cache[lid] if cache is not None else None, attention)
             if lid in wanted:

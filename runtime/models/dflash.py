@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..branches import branch_drafts
 from ..cache import DeviceKVCache, KVCache, advance_layers, bucketed, cache_arrays, traced_caches
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from .attention import cache_attention, uses_kernel
@@ -457,7 +458,7 @@ class CandidateSelector(nn.Module):
 class Proposal(NamedTuple):
     """A block's drafts, and the distribution each was drawn from where it was sampled."""
 
-    tokens: mx.array  # [R, n] int32
+    tokens: mx.array  # [R, K, n] int32: K blocks a round verifies (runtime/branches.py), the first the drafter's pick
     probs: mx.array | None  # [R, n, V]: q over the vocabulary (zero outside the selector's top-k); None: argmax, q one-hot
 
 
@@ -622,20 +623,23 @@ class DFlashDrafter(nn.Module):
         return self.logits(self.hidden(block, ctx_features, cache)[:, 1:])
 
     def propose(self, hidden: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
-                noise: mx.array | None = None) -> Proposal:
+                noise: mx.array | None = None, branches: int = 1) -> Proposal:
         """The drafts of blocks whose rows 1.. have the post-norm ``hidden [R, n, H]``.
 
-        DFlash 1: the argmax of each row. DFlash 2: the selector's path after ``anchors
+        DFlash 1: the argmax of each row, and with ``branches`` > 1 more blocks from each
+        row's runner-ups (runtime/branches.py). DFlash 2: the selector's path after ``anchors
         [R]``, greedy, or drawn with ``temperatures [R]`` and Gumbel ``noise [R, n, k]``
-        (a row at temperature 1 with zero noise is greedy), with each draw's q.
+        (a row at temperature 1 with zero noise is greedy), with each draw's q; one path,
+        repeated as every block.
         """
         logits = self.logits(hidden)
         selector = self.selector
         if selector is None:
-            return Proposal(mx.argmax(logits, axis=-1).astype(mx.int32), None)
+            return Proposal(branch_drafts(logits, branches), None)
         path, candidates, q = selector.select(hidden, logits, anchors, temperatures, noise)
         probs = None if q is None else mx.put_along_axis(mx.zeros(logits.shape, dtype=q.dtype), candidates, q, axis=-1)
-        return Proposal(path.astype(mx.int32), probs)
+        rows, n = path.shape
+        return Proposal(mx.broadcast_to(path.astype(mx.int32)[:, None], (rows, branches, n)), probs)
 
     def checkpoint_names(self) -> dict[str, str]:
         """Each parameter's name in a z-lab checkpoint -> its name here (they differ for DFlash 2's codebooks)."""

@@ -59,19 +59,20 @@ class Attention(nn.Module):
         return self._heads(self.q_proj(x), self.n_heads), self._heads(self.k_proj(x), self.n_kv_heads), \
             self._heads(self.v_proj(x), self.n_kv_heads)
 
-    def projections(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """q and k (RoPE at ``offset``) and v, as ``[b, heads, L, head_dim]``."""
+    def projections(self, x: mx.array, offset: int | mx.array, branch: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+        """q and k (RoPE at ``offset``; each block of ``branch`` rows from it) and v, as ``[b, heads, L, head_dim]``."""
         if "qkv_proj" in self:  # q and k heads sit side by side at the same positions: one RoPE
             qkv = self._heads(self.qkv_proj(x), self.n_heads + 2 * self.n_kv_heads)
             # one split, not a slice per part: on a GPU every op costs host time
             qk, v = mx.split(qkv, [self.n_heads + self.n_kv_heads], axis=1)
-            q, k = mx.split(self.rope(qk, offset), [self.n_heads], axis=1)
+            q, k = mx.split(self.rope(qk, offset, branch), [self.n_heads], axis=1)
             return q, k, v
         q, k, v = self.qkv(x)
-        return self.rope(q, offset), self.rope(k, offset), v
+        return self.rope(q, offset, branch), self.rope(k, offset, branch), v
 
     def __call__(self, x: mx.array, cache: Cache | None, attention: AttentionMask | None = None) -> mx.array:
-        q, k, v = self.projections(x, cache.offset if cache is not None else 0)
+        branch = attention.branch if attention is not None else 0
+        q, k, v = self.projections(x, cache.offset if cache is not None else 0, branch)
         return self.o_proj(cached_attention(q, k, v, cache, attention, self.scale))
 
 

@@ -29,11 +29,12 @@ class Attention(llama.Attention):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
 
-    def projections(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """q and k (normed per head, then RoPE at ``offset``) and v, as ``[b, heads, L, head_dim]``."""
+    def projections(self, x: mx.array, offset: int | mx.array, branch: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+        """q and k (normed per head, then RoPE at ``offset``; each block of ``branch`` rows from it) and v,
+        as ``[b, heads, L, head_dim]``."""
         q, k, v = self.qkv(x)
         q, k = self.q_norm(q), self.k_norm(k)
-        return self.rope(q, offset), self.rope(k, offset), v
+        return self.rope(q, offset, branch), self.rope(k, offset, branch), v
 
 
 MLP = llama.MLP

@@ -86,7 +86,8 @@ class LeftPaddedKVCache(KVCache):
         super().__init__()
         self.pad = pad
 
-    def attention_mask(self, n: int) -> tuple[int, mx.array]:
+    def attention_mask(self, n: int, branch: int = 0) -> tuple[int, mx.array]:
+        assert not branch, "batched generation decodes one token a row: no blocks to verify"
         start, end = self.offset, self.offset + n
         key_pos = mx.arange(end)[None, :]
         query_pos = (start + mx.arange(n))[:, None]

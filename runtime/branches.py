@@ -1,0 +1,96 @@
+"""Verifying several drafted blocks a round and keeping the one the target accepts furthest.
+
+A round drafts one block: the drafter's best token in every row. Where its first choice
+is wrong the target often wanted the runner-up (its misses sit where the target itself
+hesitates: docs/branches.md), and an early miss costs most of the round. So a round can
+draft ``branches`` blocks from the drafter's ranked tokens (:data:`SHAPES`, measured
+best-first), verify them in one target forward, and keep the block accepted furthest
+(ties: the earlier one), at no extra drafter cost.
+
+The forward lays the blocks end to end; each continues the cache on its own: its rows
+see the cache and their own block only (runtime.cache.causal_mask, the attention kernel's
+``branch``) and are roped from the same position. Every block is thus verified exactly as
+the target would verify it alone, the kept block's accepted drafts are the target's own
+greedy tokens, and the output equals plain greedy decoding. The cache then keeps the kept
+block's rows, moved to where a lone block's would be (:func:`keep_branch`).
+
+More blocks need a greedy request and a DFlash 1 drafter (a DFlash 2 selector draws one
+path): a sampled request's round verifies its first block, the one it would draft alone.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from .cache import DeviceKVCache, KVCache
+
+# blocks a round verifies, by count: each as the drafter's rank of its token in rows 1, 2, ...
+# (later rows: its best). Chosen on the validation split (docs/branches.md).
+SHAPES: dict[int, tuple[tuple[int, ...], ...]] = {
+    1: ((),),
+    2: ((0,), (1,)),
+    4: ((0,), (1,), (0, 1), (0, 0, 1)),
+    8: tuple((i, j) for i in range(4) for j in range(2)),
+}
+
+
+def check_branches(branches: int) -> None:
+    if branches not in SHAPES:
+        raise ValueError(f"branches must be one of {sorted(SHAPES)}, got {branches}")
+
+
+def rank_table(branches: int, rows: int) -> list[list[int]]:
+    """``[branches, rows]``: the rank of the drafter's token that each block takes in each row."""
+    return [[ranks[i] if i < len(ranks) else 0 for i in range(rows)] for ranks in SHAPES[branches]]
+
+
+def branch_drafts(logits: mx.array, branches: int) -> mx.array:
+    """The blocks ``[R, branches, n]`` (int32) a round verifies, from the drafter's ``logits [R, n, V]``.
+
+    Block 0 is the argmax of every row: the one block a round drafts alone.
+    """
+    best = mx.argmax(logits, axis=-1).astype(mx.int32)
+    table = rank_table(branches, logits.shape[1])
+    top = 1 + max(max(row, default=0) for row in table)
+    if top == 1:
+        return mx.broadcast_to(best[:, None], (best.shape[0], branches, best.shape[1]))
+    ranked = mx.argpartition(-logits, kth=top - 1, axis=-1)[..., :top]
+    ranked = mx.take_along_axis(ranked, mx.argsort(-mx.take_along_axis(logits, ranked, axis=-1), axis=-1), axis=-1)
+    ranked = mx.concatenate([best[..., None], ranked[..., 1:].astype(mx.int32)], axis=-1)  # rank 0 exactly the argmax
+    index = mx.broadcast_to(mx.array(table, dtype=mx.int32)[None, :, :, None], (ranked.shape[0], branches, ranked.shape[1], 1))
+    return mx.take_along_axis(mx.broadcast_to(ranked[:, None], (ranked.shape[0], branches, *ranked.shape[1:])),
+                              index, axis=-1)[..., 0]
+
+
+def block_tokens(anchors: mx.array, drafts: mx.array) -> mx.array:
+    """``[R, branches*W]``: every block ``[anchor] + drafts`` (``drafts [R, branches, W-1]``), end to end."""
+    rows, branches, _ = drafts.shape
+    anchor = mx.broadcast_to(anchors.astype(mx.int32)[:, None, None], (rows, branches, 1))
+    return mx.concatenate([anchor, drafts.astype(mx.int32)], axis=2).reshape(rows, -1)
+
+
+def kept_rows(rows: mx.array, branch: mx.array, width: int) -> mx.array:
+    """Each row's ``width`` rows of its kept block: ``rows [R, branches*width, ...]``, ``branch [R]``."""
+    r, total = rows.shape[:2]
+    if total == width:
+        return rows
+    blocks = rows.reshape(r, total // width, width, *rows.shape[2:])
+    index = branch.astype(mx.int32).reshape(r, 1, *([1] * (blocks.ndim - 2)))
+    return mx.take_along_axis(blocks, index, axis=1)[:, 0]
+
+
+def keep_branch(caches: Sequence[DeviceKVCache], start: mx.array, branch: mx.array, width: int) -> None:
+    """After a verify of blocks of ``width`` rows written at ``start`` (``[R]`` or a scalar): every
+    layer's rows of block ``branch`` moved to ``start``, where a lone block's would be."""
+    first = (start + branch * width).astype(mx.int32)
+    for cache in caches:
+        cache.move_rows(first, start, width)
+
+
+def keep_branch_host(caches: Sequence[KVCache], start: int, branch: int, width: int) -> None:
+    """``keep_branch`` for the sequential loop's host-side caches: then only ``width`` rows stay written."""
+    for cache in caches:
+        cache.move_rows(start + branch * width, start, width)
+        cache.offset = start + width

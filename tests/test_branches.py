@@ -1,0 +1,174 @@
+"""Rounds that verify several drafted blocks and keep the one accepted furthest (runtime/branches.py)."""
+
+from __future__ import annotations
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from protocol import GenerationParams, RoundRecord, records
+from runtime.acceptance import branch_verdict_rows
+from runtime.bench import run_dflash, run_plain, run_together
+from runtime.branches import SHAPES, block_tokens, branch_drafts, keep_branch, kept_rows
+from runtime.cache import DeviceKVCache, KVCache, causal_mask, stack_layers
+from runtime.drafters import random_drafter
+from runtime.engine import MODES, Engine
+from runtime.loading import LoadedModel, load_checkpoint
+from runtime.models.dflash import Proposal
+from runtime.oracle import OracleDrafter
+from runtime.random_targets import greedy_successor, random_checkpoint
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1500}
+
+
+class BranchingOracle(OracleDrafter):
+    """On a random target: block ``b`` of a round is right for its first ``(anchor + 5b) % 9``
+    drafts, so which block a round keeps, and how much it accepts, are known."""
+
+    def propose(self, hidden: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
+                noise: mx.array | None = None, branches: int = 1) -> Proposal:
+        real = super().propose(hidden, anchors, temperatures, noise, branches)
+        n = hidden.shape[1]
+        right = self._continuation[anchors.astype(mx.int32)][:, None, :n]
+        wrong = mx.arange(n) >= expected_accepted(anchors, branches)[..., None]
+        return Proposal(mx.where(real.tokens < 0, real.tokens, mx.where(wrong, (right + 1) % self._vocab, right)), None)
+
+
+def expected_accepted(anchors: mx.array, branches: int) -> mx.array:
+    return (anchors.astype(mx.int32)[:, None] + 5 * mx.arange(branches)) % 9
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return load_checkpoint(random_checkpoint("random:qwen3-8b", overrides=SMALL), "float32")
+
+
+@pytest.fixture(scope="module")
+def oracle(target: LoadedModel) -> BranchingOracle:
+    drafter = random_drafter(target, 2, False, block_size=16, drafter_class=BranchingOracle)
+    return drafter.aim(greedy_successor(target.config), 2.0)  # type: ignore[return-value]
+
+
+def prompts(target: LoadedModel) -> list[list[int]]:
+    return [target.tokenizer.encode(text) for text in ("def add(a, b):", "Tell me a story about a robot. " * 3, "x")]
+
+
+def test_a_blocks_rows_see_the_cache_and_their_own_block_only() -> None:
+    mask = np.array(causal_mask(9, 3, 6, 2))
+    for i in range(6):
+        own = 3 + 2 * (i // 2)
+        assert [j for j in range(9) if mask[i, j]] == [0, 1, 2] + list(range(own, 3 + i + 1))
+    stacked = np.array(causal_mask(9, mx.array([1, 3]), 6, 2))
+    assert (stacked[1] == mask).all() and stacked[0, 5].tolist() == [1, 0, 0, 0, 0, 1, 1, 0, 0]
+
+
+def test_blocks_verified_together_equal_each_block_verified_alone(target: LoadedModel) -> None:
+    """Logits and taps of K blocks in one forward equal K forwards of one block each, over
+    host caches and over stacked device caches (each request at its own length), and the
+    cache then holds the kept block's rows where a lone block's would be."""
+    model, prompt_sets = target.model, [[5, 9, 31, 7, 2], [40, 41, 42]]
+    blocks = mx.array([[[3, 8, 1], [3, 9, 4], [3, 8, 2]], [[6, 6, 6], [7, 1, 1], [2, 2, 2]]], dtype=mx.int32)
+    taps = (1, 4)
+
+    def prefilled(ids: list[int]) -> list[KVCache]:
+        cache = model.make_cache()
+        model(mx.array([ids]), cache)
+        return cache
+
+    alone = [[model(blocks[r, b][None], prefilled(ids), tap_layers=taps) for b in range(3)] for r, ids in enumerate(prompt_sets)]
+    for r, ids in enumerate(prompt_sets):
+        together = model(blocks[r].reshape(1, -1), prefilled(ids), tap_layers=taps, branch=3)
+        for b in range(3):
+            assert mx.allclose(together.logits[0, 3 * b : 3 * b + 3], alone[r][b].logits[0], atol=1e-4)
+            assert mx.allclose(together.taps[0, 3 * b : 3 * b + 3], alone[r][b].taps[0], atol=1e-4)
+
+    device = []
+    for ids in prompt_sets:
+        cache = model.make_device_cache()
+        model.prefill(ids, cache)
+        device.append(cache)
+    caches = stack_layers(device, 9, 2)
+    start = caches[0].length
+    together = model(blocks.reshape(2, -1), caches, tap_layers=taps, branch=3)
+    kept = mx.array([2, 1], dtype=mx.int32)
+    for r in range(2):
+        for b in range(3):
+            assert mx.allclose(together.logits[r, 3 * b : 3 * b + 3], alone[r][b].logits[0], atol=1e-4)
+    assert mx.allclose(kept_rows(together.taps, kept, 3)[1], alone[1][1].taps[0], atol=1e-4)
+    keep_branch(caches, start, kept, 3)
+    for r, ids in enumerate(prompt_sets):
+        lone = prefilled(ids)
+        model(blocks[r, int(kept[r].item())][None], lone)
+        n = len(ids)
+        assert mx.allclose(caches[0].keys[r, :, n : n + 3], lone[0].keys[0, :, n : n + 3], atol=1e-5)
+        assert mx.allclose(caches[-1].values[r, :, : n + 3], lone[-1].values[0, :, : n + 3], atol=1e-5)
+
+
+def test_branch_drafts_lead_with_the_argmax_then_follow_the_shapes_ranks() -> None:
+    logits = mx.array(np.random.default_rng(0).normal(size=(2, 5, 50)).astype(np.float32))
+    order = np.argsort(-np.array(logits), axis=-1)
+    for k, shape in SHAPES.items():
+        got = np.array(branch_drafts(logits, k))
+        assert got.shape == (2, k, 5)
+        for b, ranks in enumerate(shape):
+            want = [order[:, i, ranks[i] if i < len(ranks) else 0] for i in range(5)]
+            assert (got[:, b] == np.stack(want, axis=1)).all()
+    assert (block_tokens(mx.array([7, 8]), mx.array(got[:, :2])).reshape(2, 2, 6)[:, :, 0] == mx.array([[7, 7], [8, 8]])).all()
+
+
+def test_the_verdict_keeps_the_block_accepted_furthest_and_the_earlier_of_equals() -> None:
+    vocab, n = 10, 4
+    target_tokens = mx.array([[1, 2, 3, 4, 5]] * 3 + [[6, 6, 6, 6, 6]] * 3)  # [R*K, n+1] for R=2, K=3
+    logits = mx.where(mx.arange(vocab) == target_tokens[..., None], 1.0, 0.0).reshape(2, 3 * (n + 1), vocab)
+    drafts = mx.array([[[1, 9, 9, 9], [1, 2, 3, 9], [1, 2, 9, 9]],
+                       [[6, 6, 9, 9], [6, 6, 9, 9], [9, 9, 9, 9]]])
+    verdict, kept = branch_verdict_rows(drafts, logits, mx.array([n, 2]))
+    assert kept.tolist() == [1, 0] and verdict.accepted.tolist() == [3, 2] and verdict.bonus.tolist() == [4, 6]
+
+
+@pytest.mark.parametrize("branches", [2, 4, 8])
+def test_the_reference_loop_keeps_the_best_block_and_stays_plain_greedy(target: LoadedModel, oracle: BranchingOracle,
+                                                                         branches: int) -> None:
+    params = GenerationParams(max_tokens=120)
+    for ids in prompts(target):
+        result, stats = run_dflash(target, oracle, ids, params, branches)
+        assert result.token_ids == run_plain(target, ids, params).token_ids
+        sequence = ids + result.token_ids
+        for r in stats.rounds:
+            per_block = expected_accepted(mx.array([sequence[r.facts.committed_before - 1]]), branches)[0].tolist()
+            assert r.facts.accepted == max(per_block) and r.facts.branch == per_block.index(max(per_block))
+        assert any(r.facts.branch > 0 for r in stats.rounds)
+
+
+def test_every_engine_mode_keeps_the_blocks_the_reference_loop_keeps(target: LoadedModel, oracle: BranchingOracle,
+                                                                    tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Batched (three requests at their own lengths), in every mode: the same rounds as the
+    reference loop, block kept included, and plain greedy's output."""
+    params, ids = GenerationParams(max_tokens=90), prompts(target)
+    want = [run_plain(target, p, params).token_ids for p in ids]
+    reference = [[(r.facts.accepted, r.facts.branch, r.facts.committed) for r in run_dflash(target, oracle, p, params, 4)[1].rounds]
+                 for p in ids]
+    for mode in MODES:
+        log = tmp_path / f"{mode}.jsonl"
+        group = anyio.run(run_together, target, oracle, ids, params, mode, log, 4)
+        assert [tokens for tokens, _ in group.results] == want, mode
+        rounds: dict[str, list[tuple[int, int, list[int]]]] = {}
+        for record in map(records.from_json, log.read_text().splitlines()):
+            if isinstance(record, RoundRecord):
+                rounds.setdefault(record.request_id, []).append((record.accepted, record.branch, record.committed))
+        assert sorted(rounds.values()) == sorted(reference), mode
+
+
+def test_a_sampled_request_keeps_its_first_block_and_draws_as_with_one(target: LoadedModel, oracle: BranchingOracle) -> None:
+    params = GenerationParams(max_tokens=40, temperature=0.8, seed=3)
+    ids = prompts(target)[:2]
+    one = anyio.run(run_together, target, oracle, ids, params, "pipelined", None, 1)
+    four = anyio.run(run_together, target, oracle, ids, params, "pipelined", None, 4)
+    assert [t for t, _ in four.results] == [t for t, _ in one.results]
+
+
+def test_an_unknown_branch_count_is_refused(target: LoadedModel, oracle: BranchingOracle) -> None:
+    with pytest.raises(ValueError, match="branches must be one of"):
+        Engine(target, oracle, branches=3)
