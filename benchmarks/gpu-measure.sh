@@ -8,7 +8,8 @@
 #   BLOCKS the block sizes of random, default "4 8 16"; CONCURRENCY prompts at once in the engine modes, default 1;
 #   TASKSET=CPUS runs each bench on those cores only (taskset -c);
 #   a fresh machine first builds its kernels for minutes: run `bash benchmarks/gpu-measure.sh warm` first)
-#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [kernel] [exact] [side] [streams] [plain] [random] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
+#   (BRANCHES the block counts of branches, default "1 4 8")
+#   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-measure.sh [warm] [profile] [tune] [settings] [spy] [threads] [kernel] [exact] [side] [streams] [plain] [random] [branches] [eval:DRAFTER_DIR] [DRAFTER_DIR]...
 # Results land in $OUT (one JSON per run) and on stdout (tables).
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
@@ -24,7 +25,7 @@ bench() {  # name, then bench arguments
 import json, sys
 r = json.load(open(sys.argv[1]))
 row = lambda k: r[k]["tokens_per_s"] if k in r else "-"
-print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", row("reference"),
+print(sys.argv[2], "| load", r["load_s"], "s | plain", row("plain"), "| ref", row("reference"), "| ref tau", r.get("reference", {}).get("tau", "-"),
       "| seq", row("sequential"), "| pipe", row("dflash"), "| pipe2", row("pipelined2"), "| draft-ahead", row("draft-ahead"),
       "| tau", r.get("dflash", {}).get("tau", "-"),
       "| idle/round ms seq", r.get("sequential", {}).get("gpu_idle_ms_per_round", "-"),
@@ -131,6 +132,12 @@ PY
       bench plain-bf16 --draft none --dtype bfloat16 ;;
     random)
       for b in ${BLOCKS:-4 8 16}; do bench random5-b$b --draft random:5 --block-size $b --dtype native; done ;;
+    branches)  # rounds verifying 1, 4, 8 blocks (runtime/branches.py): the bundled drafter on each set of EVAL_DIR
+      for set in "${EVAL_DIR:-runs/eval}"/*.jsonl; do
+        for k in ${BRANCHES:-1 4 8}; do
+          bench "branches-$(basename "$set" .jsonl)-$k" --prompts "$set" --block-size 16 --dtype native --modes pipelined --branches "$k"
+        done
+      done ;;
     eval:*)  # a trained drafter on each held-out set in runs/eval (python -m runtime.evalsets)
       for set in "${EVAL_DIR:-runs/eval}"/*.jsonl; do
         bench "eval-$(basename "$set" .jsonl)" --draft "${what#eval:}" --prompts "$set" --block-size 16 --dtype native

@@ -94,3 +94,22 @@ def test_strided_queries_and_a_compiled_step_give_the_same_attention() -> None:
     want = masked_reference(q, written_k, written_v, [77], causal=True)
     assert_close(step(q, keys, values, length), want, mx.float16)
     assert_close(mx.compile(step)(q, keys, values, length), want, mx.float16)
+
+
+@pytest.mark.parametrize("width", [BLOCK, 6])
+def test_blocks_verified_together_attend_as_each_block_alone_bit_for_bit(width: int) -> None:
+    """Four blocks end to end (runtime/branches.py): each query sees the cache and its own block
+    only, and sums its keys as the block's own causal verify does, at any length and block width."""
+    blocks, lengths = 4, [0, 101, 300]
+    q = random((3, HEADS, blocks * width, HEAD_DIM), mx.bfloat16, 14)
+    keys, values = random((3, KV_HEADS, BUFFER, HEAD_DIM), mx.bfloat16, 15), random((3, KV_HEADS, BUFFER, HEAD_DIM), mx.bfloat16, 16)
+    start = mx.array(lengths, dtype=mx.int32)
+    got = cache_attention(q, keys, values, start, causal=True, scale=SCALE, branch=width)
+    for b in range(blocks):
+        def alone_at_start(buffer: mx.array) -> mx.array:  # block b's rows where a lone block's would be
+            return mx.stack([mx.concatenate([row[:, :n], row[:, n + b * width : n + (b + 1) * width], row[:, n + width :]], axis=1)
+                             for row, n in zip(buffer, lengths)])
+
+        alone = cache_attention(q[:, :, b * width : (b + 1) * width], alone_at_start(keys), alone_at_start(values), start,
+                                causal=True, scale=SCALE)
+        assert mx.array_equal(got[:, b * width : (b + 1) * width], alone), f"block {b}"
