@@ -20,11 +20,13 @@ path): a sampled request's round verifies its first block, the one it would draf
 
 from __future__ import annotations
 
-from typing import Sequence
+from functools import lru_cache
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .cache import DeviceKVCache, KVCache
+from .cache import DeviceKVCache, KVCache, moved_rows
+from .models.steps import default_compile_steps
 
 # blocks a round verifies, by count: each as the drafter's rank of its token in rows 1, 2, ...
 # (later rows: its best). Chosen on the validation split (docs/branches.md).
@@ -83,10 +85,23 @@ def kept_rows(rows: mx.array, branch: mx.array, width: int) -> mx.array:
 
 def keep_branch(caches: Sequence[DeviceKVCache], start: mx.array, branch: mx.array, width: int) -> None:
     """After a verify of blocks of ``width`` rows written at ``start`` (``[R]`` or a scalar): every
-    layer's rows of block ``branch`` moved to ``start``, where a lone block's would be."""
+    layer's rows of block ``branch`` moved to ``start``, where a lone block's would be.
+
+    Four ops a layer; on a GPU, where each op costs host time, they run as one compiled step.
+    """
     first = (start + branch * width).astype(mx.int32)
-    for cache in caches:
-        cache.move_rows(first, start, width)
+    buffers = [c.keys for c in caches] + [c.values for c in caches]
+    moved = _mover(width, default_compile_steps())(first, start, *buffers)
+    for i, cache in enumerate(caches):
+        cache.keys, cache.values = moved[i], moved[len(caches) + i]
+
+
+@lru_cache(maxsize=None)
+def _mover(width: int, compiled: bool) -> Callable[..., list[mx.array]]:
+    def move(first: mx.array, start: mx.array, *buffers: mx.array) -> list[mx.array]:
+        return [moved_rows(buffer, first, start, width) for buffer in buffers]
+
+    return mx.compile(move) if compiled else move
 
 
 def keep_branch_host(caches: Sequence[KVCache], start: int, branch: int, width: int) -> None:

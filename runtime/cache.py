@@ -168,25 +168,6 @@ class DeviceKVCache:
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(rows, values.shape), values, axis=2)
         self._count_write(length)
 
-    def move_rows(self, source: mx.array, to: mx.array, rows: int) -> None:
-        """Copy ``rows`` positions from ``source`` to ``to`` (device scalars, or ``[R]`` when stacked),
-        lazily: a verify's kept block (runtime/branches.py). Its length does not change."""
-        assert self.keys is not None and self.values is not None
-        if source.ndim == 0:
-            b, h, _, d = self.keys.shape
-            keys = mx.slice(self.keys, source.reshape(1), axes=(2,), slice_size=(b, h, rows, d))
-            values = mx.slice(self.values, source.reshape(1), axes=(2,), slice_size=(b, h, rows, self.values.shape[3]))
-            self.keys = mx.slice_update(self.keys, keys, start_indices=to.reshape(1), axes=(2,))
-            self.values = mx.slice_update(self.values, values, start_indices=to.reshape(1), axes=(2,))
-            return
-        span = mx.arange(rows)
-        read, write = (source[:, None] + span)[:, None, :, None], (to[:, None] + span)[:, None, :, None]
-        for name in ("keys", "values"):
-            buffer = getattr(self, name)
-            shape = (buffer.shape[0], buffer.shape[1], rows, buffer.shape[3])
-            moved = mx.take_along_axis(buffer, mx.broadcast_to(read, shape), axis=2)
-            setattr(self, name, mx.put_along_axis(buffer, mx.broadcast_to(write, shape), moved, axis=2))
-
     def _count_write(self, rows: int) -> None:
         """``rows`` more could become valid: the bound grows until ``settle`` learns how many did."""
         self._unsettled.append(rows)
@@ -246,6 +227,20 @@ class DeviceKVCache:
         assert self.keys is not None and self.values is not None
         other.keys, other.values = mx.zeros_like(self.keys), mx.zeros_like(self.values)
         return other
+
+
+def moved_rows(buffer: mx.array, source: mx.array, to: mx.array, rows: int) -> mx.array:
+    """``buffer [B, H, T, D]`` with ``rows`` positions from ``source`` copied to ``to`` (device
+    scalars, or one each per batch row ``[B]``)."""
+    if source.ndim == 0:
+        b, h, _, d = buffer.shape
+        block = mx.slice(buffer, source.reshape(1), axes=(2,), slice_size=(b, h, rows, d))
+        return mx.slice_update(buffer, block, start_indices=to.reshape(1), axes=(2,))
+    span = mx.arange(rows)
+    shape = (buffer.shape[0], buffer.shape[1], rows, buffer.shape[3])
+    read = mx.broadcast_to((source[:, None] + span)[:, None, :, None], shape)
+    write = mx.broadcast_to((to[:, None] + span)[:, None, :, None], shape)
+    return mx.put_along_axis(buffer, write, mx.take_along_axis(buffer, read, axis=2), axis=2)
 
 
 def advance_layers(caches: Sequence[DeviceKVCache], n: mx.array | int) -> None:
