@@ -66,6 +66,31 @@ def branch_drafts(logits: mx.array, branches: int) -> mx.array:
                               index, axis=-1)[..., 0]
 
 
+def confident_drafts(logits: mx.array, branches: int, ranks: int = 4) -> mx.array:
+    """Blocks ``[R, branches, n]`` chosen per round by the drafter's own probabilities: block 0 its
+    argmax, each other one the argmax with one row's token swapped for a runner-up (of the best
+    ``ranks``), at the (row, runner-up) pairs it expects to gain most: the chance its rows before
+    are right, times the runner-up's probability, times one plus the run expected after it."""
+    best = mx.argmax(logits, axis=-1).astype(mx.int32)
+    rows, n, _ = logits.shape
+    if branches == 1:
+        return best[:, None]
+    ranked = mx.argpartition(-logits, kth=ranks - 1, axis=-1)[..., :ranks]
+    probs = mx.take_along_axis(mx.softmax(logits.astype(mx.float32), axis=-1), ranked, axis=-1)
+    order = mx.argsort(-probs, axis=-1)
+    ranked, probs = mx.take_along_axis(ranked, order, axis=-1).astype(mx.int32), mx.take_along_axis(probs, order, axis=-1)
+    held = mx.cumsum(mx.log(mx.maximum(probs[..., 0], 1e-9)), axis=1)  # log P(rows 1..i all right)
+    later = mx.arange(n)[None, :] > mx.arange(n)[:, None]
+    run_after = mx.where(later, mx.exp(held[:, None, :] - held[:, :, None]), 0.0).sum(axis=-1)
+    reach = mx.exp(held - mx.log(mx.maximum(probs[..., 0], 1e-9)))  # P(rows before i all right)
+    gain = (reach * (1.0 + run_after))[..., None] * probs[..., 1:]  # [R, n, ranks-1]
+    pick = mx.argsort(-gain.reshape(rows, -1), axis=-1)[:, : branches - 1]
+    row, rank = pick // (ranks - 1), pick % (ranks - 1) + 1
+    swapped = mx.take_along_axis(ranked.reshape(rows, -1), (row * ranks + rank).astype(mx.int32), axis=1)
+    blocks = mx.where(mx.arange(n) == row[..., None], swapped[..., None], best[:, None, :])
+    return mx.concatenate([best[:, None], blocks], axis=1)
+
+
 def block_tokens(anchors: mx.array, drafts: mx.array) -> mx.array:
     """``[R, branches*W]``: every block ``[anchor] + drafts`` (``drafts [R, branches, W-1]``), end to end."""
     rows, branches, _ = drafts.shape
