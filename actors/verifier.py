@@ -162,7 +162,7 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
         step = VerifyStep(verdict.bonus, taps, keep, readout)
         for row, (message, block) in enumerate(zip(rounds, blocks)):
             self.results.put(message.request_id, message.round, RoundOutputs(step, row, block))
-        mx.async_eval(readout.packed, out.taps)
+        mx.async_eval(readout.packed, taps)
         await send_burst(self.committer, [Verified(
             request_id=m.request_id, round=m.round, block_size=m.block_size, speculative=m.speculative,
             draft_queued_at=m.draft_queued_at, verify_queued_at=queued, batch_size=n) for m in rounds])

@@ -76,13 +76,6 @@ def _residual(p: mx.array, q: mx.array) -> mx.array:
     return mx.where(row.sum() > 0, row, p)
 
 
-def verdict(drafts: mx.array, logits: mx.array, params: GenerationParams, sampler: Sampler,
-            draft_probs: mx.array | None = None) -> Verdict:
-    if is_greedy(params):
-        return greedy_verdict(drafts, logits)
-    return sampled_verdict(drafts, logits, params, sampler, draft_probs)
-
-
 def stacked_verdicts(drafts: mx.array, logits: mx.array, n_drafts: list[int], params: list[GenerationParams],
                      samplers: list[Sampler], draft_probs: Sequence[mx.array | None] | None = None) -> tuple[Verdict, mx.array]:
     """Verdicts of stacked requests, each verifying ``K`` blocks (runtime/branches.py): ``drafts
