@@ -41,7 +41,7 @@ from tqdm import tqdm
 from protocol import GenerationParams, TokenEvent
 
 from .blas import blas_in_use
-from .branches import SHAPES
+from .branches import MAX_BRANCHES
 from .cli import add_model_arguments, new_parser, print_json, run_cli
 from .defaults import default_model_path
 from .drafters import parse_random_spec, random_drafter, resolve_drafter
@@ -363,7 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "fixed number of drafts (tau - 1 on average) from a random:L drafter (runtime.oracle)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
                         help=f"the engine modes to run (default all: {' '.join(MODES)})")
-    parser.add_argument("--branches", type=int, choices=sorted(SHAPES), default=1,
+    parser.add_argument("--branches", type=int, choices=range(1, MAX_BRANCHES + 1), default=1, metavar="K",
                         help="blocks every round drafts and verifies, keeping the one accepted furthest (runtime/branches.py)")
     parser.add_argument("--no-engine", action="store_true",
                         help="plain decoding and the reference loop only: tau and exactness, without the actor engine's modes")

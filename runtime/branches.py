@@ -1,11 +1,12 @@
 """Verifying several drafted blocks a round and keeping the one the target accepts furthest.
 
 A round drafts one block: the drafter's best token in every row. Where its first choice
-is wrong the target often wanted the runner-up (its misses sit where the target itself
+is wrong the target often wanted a runner-up (its misses sit where the target itself
 hesitates: docs/branches.md), and an early miss costs most of the round. So a round can
-draft ``branches`` blocks from the drafter's ranked tokens (:data:`SHAPES`, measured
-best-first), verify them in one target forward, and keep the block accepted furthest
-(ties: the earlier one), at no extra drafter cost.
+draft ``branches`` blocks: its best, and copies of it with one row's token swapped for a
+runner-up where the drafter's own probabilities expect the most gain (:func:`branch_drafts`),
+verify them in one target forward, and keep the block accepted furthest (ties: the earlier
+one), at no extra drafter forward.
 
 The forward lays the blocks end to end; each continues the cache on its own: its rows
 see the cache and their own block only (runtime.cache.causal_mask, the attention kernel's
@@ -28,67 +29,44 @@ import mlx.core as mx
 from .cache import DeviceKVCache, KVCache, moved_rows
 from .models.steps import default_compile_steps
 
-# blocks a round verifies, by count: each as the drafter's rank of its token in rows 1, 2, ...
-# (later rows: its best). Chosen on the validation split (docs/branches.md).
-SHAPES: dict[int, tuple[tuple[int, ...], ...]] = {
-    1: ((),),
-    2: ((0,), (1,)),
-    4: ((0,), (1,), (0, 1), (0, 0, 1)),
-    8: tuple((i, j) for i in range(4) for j in range(2)),
-}
+MAX_BRANCHES = 16
+RANKS = 4  # a row's tokens a block may take: its best and three runner-ups
 
 
 def check_branches(branches: int) -> None:
-    if branches not in SHAPES:
-        raise ValueError(f"branches must be one of {sorted(SHAPES)}, got {branches}")
-
-
-def rank_table(branches: int, rows: int) -> list[list[int]]:
-    """``[branches, rows]``: the rank of the drafter's token that each block takes in each row."""
-    return [[ranks[i] if i < len(ranks) else 0 for i in range(rows)] for ranks in SHAPES[branches]]
+    if not 1 <= branches <= MAX_BRANCHES:
+        raise ValueError(f"branches must be 1 to {MAX_BRANCHES}, got {branches}")
 
 
 def branch_drafts(logits: mx.array, branches: int) -> mx.array:
     """The blocks ``[R, branches, n]`` (int32) a round verifies, from the drafter's ``logits [R, n, V]``.
 
-    Block 0 is the argmax of every row: the one block a round drafts alone.
+    Block 0 is the argmax of every row: the one block a round drafts alone. Each other block is
+    that block with one row's token swapped for a runner-up, at the (row, runner-up) pairs the
+    drafter's own probabilities expect to gain most: the chance its rows before are all right,
+    times the runner-up's probability, times one plus the run expected after it.
     """
     best = mx.argmax(logits, axis=-1).astype(mx.int32)
-    table = rank_table(branches, logits.shape[1])
-    top = 1 + max(max(row, default=0) for row in table)
-    if top == 1:
-        return mx.broadcast_to(best[:, None], (best.shape[0], branches, best.shape[1]))
-    ranked = mx.argpartition(-logits, kth=top - 1, axis=-1)[..., :top]
-    ranked = mx.take_along_axis(ranked, mx.argsort(-mx.take_along_axis(logits, ranked, axis=-1), axis=-1), axis=-1)
-    ranked = mx.concatenate([best[..., None], ranked[..., 1:].astype(mx.int32)], axis=-1)  # rank 0 exactly the argmax
-    index = mx.broadcast_to(mx.array(table, dtype=mx.int32)[None, :, :, None], (ranked.shape[0], branches, ranked.shape[1], 1))
-    return mx.take_along_axis(mx.broadcast_to(ranked[:, None], (ranked.shape[0], branches, *ranked.shape[1:])),
-                              index, axis=-1)[..., 0]
-
-
-def confident_drafts(logits: mx.array, branches: int, ranks: int = 4) -> mx.array:
-    """Blocks ``[R, branches, n]`` chosen per round by the drafter's own probabilities: block 0 its
-    argmax, each other one the argmax with one row's token swapped for a runner-up (of the best
-    ``ranks``), at the (row, runner-up) pairs it expects to gain most: the chance its rows before
-    are right, times the runner-up's probability, times one plus the run expected after it."""
-    best = mx.argmax(logits, axis=-1).astype(mx.int32)
     rows, n, _ = logits.shape
-    if branches == 1:
-        return best[:, None]
-    ranked = mx.argpartition(-logits, kth=ranks - 1, axis=-1)[..., :ranks]
+    swaps = min(branches - 1, n * (RANKS - 1))
+    if swaps <= 0:
+        return mx.broadcast_to(best[:, None], (rows, branches, n))
+    ranked = mx.argpartition(-logits, kth=RANKS - 1, axis=-1)[..., :RANKS]
     probs = mx.take_along_axis(mx.softmax(logits.astype(mx.float32), axis=-1), ranked, axis=-1)
     order = mx.argsort(-probs, axis=-1)
     ranked, probs = mx.take_along_axis(ranked, order, axis=-1).astype(mx.int32), mx.take_along_axis(probs, order, axis=-1)
-    held = mx.cumsum(mx.log(mx.maximum(probs[..., 0], 1e-9)), axis=1)  # log P(rows 1..i all right)
+    log_best = mx.log(mx.maximum(probs[..., 0], 1e-9))
+    held = mx.cumsum(log_best, axis=1)  # log P(rows 1..i all right)
     later = mx.arange(n)[None, :] > mx.arange(n)[:, None]
     run_after = mx.where(later, mx.exp(held[:, None, :] - held[:, :, None]), 0.0).sum(axis=-1)
-    reach = mx.exp(held - mx.log(mx.maximum(probs[..., 0], 1e-9)))  # P(rows before i all right)
-    gain = (reach * (1.0 + run_after))[..., None] * probs[..., 1:]  # [R, n, ranks-1]
-    pick = mx.argsort(-gain.reshape(rows, -1), axis=-1)[:, : branches - 1]
-    row, rank = pick // (ranks - 1), pick % (ranks - 1) + 1
-    swapped = mx.take_along_axis(ranked.reshape(rows, -1), (row * ranks + rank).astype(mx.int32), axis=1)
+    gain = (mx.exp(held - log_best) * (1.0 + run_after))[..., None] * probs[..., 1:]  # [R, n, RANKS-1]
+    pick = mx.argsort(-gain.reshape(rows, -1), axis=-1)[:, :swaps]
+    row, rank = pick // (RANKS - 1), pick % (RANKS - 1) + 1
+    swapped = mx.take_along_axis(ranked.reshape(rows, -1), (row * RANKS + rank).astype(mx.int32), axis=1)
     blocks = mx.where(mx.arange(n) == row[..., None], swapped[..., None], best[:, None, :])
-    return mx.concatenate([best[:, None], blocks], axis=1)
+    # too few rows for that many swaps (a small block): block 0 again, which never wins a tie
+    repeats = mx.broadcast_to(best[:, None], (rows, branches - 1 - swaps, n))
+    return mx.concatenate([best[:, None], blocks, repeats], axis=1)
 
 
 def block_tokens(anchors: mx.array, drafts: mx.array) -> mx.array:

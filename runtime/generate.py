@@ -18,7 +18,7 @@ import anyio
 
 from protocol import GenerationParams, TokenEvent
 
-from .branches import SHAPES
+from .branches import MAX_BRANCHES
 from .cli import add_model_arguments, add_sampling_arguments, new_parser, params_from_args, print_json, run_cli
 from .defaults import default_drafter_path, default_model_path
 from .drafters import resolve_drafter
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: the bundled drafter when the model is the default one, else none)")
     parser.add_argument("--block-size", type=int, default=None, help="speculative block (default: the drafter's)")
     parser.add_argument("--mode", choices=sorted(MODES), default="pipelined", help="the engine's round schedule")
-    parser.add_argument("--branches", type=int, choices=sorted(SHAPES), default=1,
+    parser.add_argument("--branches", type=int, choices=range(1, MAX_BRANCHES + 1), default=1, metavar="K",
                         help="blocks every round drafts and verifies, keeping the one accepted furthest (greedy requests)")
     parser.add_argument("--log", type=Path, help="write the run log (JSON lines) that python -m runtime.replay reads")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .branches import SHAPES
+from .branches import MAX_BRANCHES
 from .cli import new_parser, run_cli
 from .engine import MODES, Engine
 from .server import ServerSettings, create_app
@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; beyond: 429")
     p.add_argument("--log", help="JSONL run log (python -m runtime.replay reads it)")
     p.add_argument("--mode", choices=sorted(MODES), default="pipelined")
-    p.add_argument("--branches", type=int, choices=sorted(SHAPES), default=1,
+    p.add_argument("--branches", type=int, choices=range(1, MAX_BRANCHES + 1), default=1, metavar="K",
                    help="blocks every round drafts and verifies, keeping the one accepted furthest (greedy requests)")
     p.add_argument("--pad-batches", choices=["auto", "on", "off"], default="auto",
                    help="run batched steps at power-of-two sizes, so few kernel shapes are built (auto: on a GPU)")

@@ -10,7 +10,7 @@ import pytest
 from protocol import GenerationParams, RoundRecord, records
 from runtime.acceptance import branch_verdict_rows
 from runtime.bench import run_dflash, run_plain, run_together
-from runtime.branches import SHAPES, block_tokens, branch_drafts, keep_branch, kept_rows
+from runtime.branches import block_tokens, branch_drafts, keep_branch, kept_rows
 from runtime.cache import DeviceKVCache, KVCache, causal_mask, stack_layers
 from runtime.drafters import random_drafter
 from runtime.engine import MODES, Engine
@@ -106,15 +106,28 @@ def test_blocks_verified_together_equal_each_block_verified_alone(target: Loaded
         assert mx.allclose(caches[-1].values[r, :, : n + 3], lone[-1].values[0, :, : n + 3], atol=1e-5)
 
 
-def test_branch_drafts_lead_with_the_argmax_then_follow_the_shapes_ranks() -> None:
-    logits = mx.array(np.random.default_rng(0).normal(size=(2, 5, 50)).astype(np.float32))
-    order = np.argsort(-np.array(logits), axis=-1)
-    for k, shape in SHAPES.items():
-        got = np.array(branch_drafts(logits, k))
-        assert got.shape == (2, k, 5)
-        for b, ranks in enumerate(shape):
-            want = [order[:, i, ranks[i] if i < len(ranks) else 0] for i in range(5)]
-            assert (got[:, b] == np.stack(want, axis=1)).all()
+def test_branch_drafts_swap_in_the_runner_ups_the_drafter_expects_to_gain_most() -> None:
+    """Block 0 is the argmax; each other block swaps one row for one of its best runner-ups, in
+    order of P(rows before right) x p(runner-up) x (1 + the run expected after), recomputed here."""
+    logits = np.random.default_rng(0).normal(size=(2, 5, 50)).astype(np.float32) * 3
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    order = np.argsort(-probs, axis=-1)
+    got = np.array(branch_drafts(mx.array(logits), 6))
+    assert got.shape == (2, 6, 5) and (got[:, 0] == order[..., 0]).all()
+    for r in range(2):
+        p1 = np.take_along_axis(probs[r], order[r, :, :1], axis=-1)[:, 0]
+        gains = {}
+        for i in range(5):
+            run_after = sum(np.prod(p1[i + 1 : m + 1]) for m in range(i + 1, 5))
+            for rank in (1, 2, 3):
+                gains[(i, rank)] = np.prod(p1[:i]) * probs[r, i, order[r, i, rank]] * (1 + run_after)
+        for b, (i, rank) in enumerate(sorted(gains, key=gains.get, reverse=True)[:5], 1):
+            want = order[r, :, 0].copy()
+            want[i] = order[r, i, rank]
+            assert (got[r, b] == want).all()
+    small = np.array(branch_drafts(mx.array(logits[:, :1]), 6))  # one row: three runner-ups, then block 0 again
+    assert (small[:, 4:] == small[:, :1]).all() and len({tuple(b) for b in small[0, :4]}) == 4
     assert (block_tokens(mx.array([7, 8]), mx.array(got[:, :2])).reshape(2, 2, 6)[:, :, 0] == mx.array([[7, 7], [8, 8]])).all()
 
 
@@ -170,5 +183,5 @@ def test_a_sampled_request_keeps_its_first_block_and_draws_as_with_one(target: L
 
 
 def test_an_unknown_branch_count_is_refused(target: LoadedModel, oracle: BranchingOracle) -> None:
-    with pytest.raises(ValueError, match="branches must be one of"):
-        Engine(target, oracle, branches=3)
+    with pytest.raises(ValueError, match="branches must be 1 to 16"):
+        Engine(target, oracle, branches=17)
