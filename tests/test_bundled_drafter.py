@@ -132,3 +132,28 @@ def test_batched_requests_on_the_real_model_equal_plain_greedy(smollm2: LoadedMo
     got = anyio.run(main)
     for i, ids in enumerate(prompts):
         assert got[i] == run_plain(smollm2, ids, params).token_ids, i
+
+
+@pytest.mark.slow
+def test_four_blocks_a_round_raise_tau_on_the_real_model_and_keep_plain_greedy_output(smollm2: LoadedModel) -> None:
+    """runtime/branches.py on the trained drafter, batched in the pipelined engine: more tokens a
+    round than with one block, and the same output as plain greedy."""
+    import anyio
+
+    from runtime.bench import EngineGroup, run_together
+
+    path = default_drafter_path()
+    assert path is not None
+    drafter = load_drafter(path, smollm2)
+    prompts = [ids for _, ids in read_prompts(PROMPTS, smollm2)]
+    params = GenerationParams(max_tokens=64)
+    want = [run_plain(smollm2, ids, params).token_ids for ids in prompts]
+
+    def tau(group: EngineGroup) -> float:
+        rounds = [int(e.stats["rounds"]) for _, e in group.results]
+        return sum(float(e.stats["tau"]) * n for (_, e), n in zip(group.results, rounds)) / sum(rounds)
+
+    one = anyio.run(run_together, smollm2, drafter, prompts, params, "pipelined", None, 1)
+    four = anyio.run(run_together, smollm2, drafter, prompts, params, "pipelined", None, 4)
+    assert [t for t, _ in one.results] == want and [t for t, _ in four.results] == want
+    assert tau(four) > tau(one) + 0.2
