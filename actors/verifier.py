@@ -150,15 +150,16 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
             verdict, branch = stacked_verdicts(drafts[:n], out.logits[:n], [b - 1 for b in blocks],
                                                [r.params for r in requests], [r.sampler for r in requests],
                                                [o.probs for o in outputs])
-            branch = padded(branch, rows)
-            taps = kept_rows(out.taps, branch, width)
-            if branches > 1:
-                keep_branch(caches, start, branch if rows > 1 else branch[0], width)
+            taps = out.taps
+            if branches > 1:  # one block: its rows are already where they belong
+                every_branch = padded(branch, rows)
+                taps = kept_rows(out.taps, every_branch, width)
+                keep_branch(caches, start, every_branch if rows > 1 else every_branch[0], width)
             keep = verdict.accepted + 1
             kept = padded(keep, rows)
             advance_layers(caches, kept if rows > 1 else kept[0])
             kv_after = caches[0].length.reshape(-1)[:n]
-        readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, branch[:n], verdict.target_tokens])
+        readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, branch, verdict.target_tokens])
         step = VerifyStep(verdict.bonus, taps, keep, readout)
         for row, (message, block) in enumerate(zip(rounds, blocks)):
             self.results.put(message.request_id, message.round, RoundOutputs(step, row, block))

@@ -29,12 +29,12 @@ def causal_mask(keys: int, start: int | mx.array, n: int, branch: int = 0) -> mx
     rows, each continuing the cache on its own (runtime/branches.py): a query sees the keys
     before ``start`` and its own block's rows up to itself, never another block's.
     """
-    key_pos = mx.arange(keys)
-    query_pos = mx.array(start)[..., None] + mx.arange(n)  # [n], or [R, n]
+    key_pos, start = mx.arange(keys), mx.array(start)
+    query_pos = start[..., None] + mx.arange(n)  # [n], or [R, n]
     mask = key_pos <= query_pos[..., None]
     if branch and branch < n:
-        own_block = mx.array(start)[..., None] + (mx.arange(n) // branch) * branch
-        mask = mask & ((key_pos < mx.array(start)[..., None, None]) | (key_pos >= own_block[..., None]))
+        own_block = start[..., None] + (mx.arange(n) // branch) * branch
+        mask = mask & ((key_pos < start[..., None, None]) | (key_pos >= own_block[..., None]))
     return mask
 
 

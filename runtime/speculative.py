@@ -19,7 +19,7 @@ import mlx.core as mx
 from protocol import GenerationParams
 
 from .acceptance import Verdict, stacked_verdicts
-from .branches import block_tokens, check_branches, keep_branch_host
+from .branches import block_tokens, check_branches, keep_branch_host, kept_rows
 from .cache import KVCache, cache_length, trim_caches
 from .errors import RequestError
 from .invariants import RoundAuditor, RoundFacts
@@ -140,11 +140,9 @@ class SpeculativeDecoder:
         assert out.taps is not None
         result, kept = stacked_verdicts(drafts, out.logits, [width - 1], [self.params], [self.sampler],
                                         [None if proposal.probs is None else proposal.probs[0]])
-        branch = int(kept.item()) if self.branches > 1 else 0
         if self.branches > 1:
-            keep_branch_host(state.target_cache, start, branch, width)
-        taps = out.taps[:, branch * width : (branch + 1) * width]
-        return Verdict(result.accepted[0], result.bonus[0], result.target_tokens[0]), mx.array(branch), taps
+            keep_branch_host(state.target_cache, start, int(kept.item()), width)
+        return Verdict(result.accepted[0], result.bonus[0], result.target_tokens[0]), kept[0], kept_rows(out.taps, kept, width)
 
     def round(self, state: RequestState, index: int) -> RoundOutcome:
         """One sequential round at the whole block, even near max_tokens (the stream trims past it),
