@@ -22,6 +22,7 @@ import mlx.core as mx
 from protocol import ActorMessage, Admit, Cancelled, Drafted, RoundAck, VerdictQueued
 from runtime.batching import HostReadout, default_pad_batches, pad_rows, padded_batch
 from runtime.cache import DeviceKVCache, KeptStack, restored_on_failure
+from runtime.lookup import TokenHistory, histories_drafts
 from runtime.models.dflash import DFlashDrafter, Proposal
 from runtime.sampling import Sampler
 from runtime.speculative import block_size_for, draft_sampler, propose_drafts
@@ -41,6 +42,7 @@ class DrafterRequest:
     acked: int = NONE  # latest round the committer acknowledged
     generated: int = 0  # tokens committed as of the latest ack
     sampler: Sampler | None = None  # the drafter's own draws (runtime.speculative.draft_sampler)
+    history: TokenHistory | None = None  # its tokens, where rounds verify several blocks (runtime/lookup.py)
 
 
 class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
@@ -77,9 +79,13 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
 
     async def handle(self, message: ActorMessage) -> None:
         if isinstance(message, Admit):
+            block = block_size_for(self.drafter, message.params)
+            # rounds drafted ahead of the last verdict read may append past max_tokens: room for a few
+            history = TokenHistory(message.prompt_ids, len(message.prompt_ids) + message.params.max_tokens + 4 * block) \
+                if self.branches > 1 else None
             self.requests[message.request_id] = DrafterRequest(
-                self.drafter.make_device_cache(), block_size_for(self.drafter, message.params), message.params.max_tokens,
-                sampler=draft_sampler(self.drafter, message.params))
+                self.drafter.make_device_cache(), block, message.params.max_tokens,
+                sampler=draft_sampler(self.drafter, message.params), history=history)
             return
         request = self.requests.get(message.request_id)
         if request is None:
@@ -172,7 +178,18 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
             ctx_after = caches[0].length.reshape(-1)[:n]
         if width > 1:
             drafts = propose_drafts(self.drafter, hidden[:n, 1:], anchors[:n], [r.sampler for r in requests],
-                                    [r.block_size for r in requests], self.branches)
+                                    [r.block_size for r in requests], self.branches, self._copied(requests, previous, width))
         else:
             drafts = Proposal(mx.zeros((n, self.branches, 0), dtype=mx.int32), None)
         return drafts, ctx_before, ctx_after
+
+    @staticmethod
+    def _copied(requests: Sequence[DrafterRequest], previous: Sequence[RoundOutputs],
+                width: int) -> tuple[mx.array, mx.array] | None:
+        """Each request's block copied from its own text, the previous round's tokens appended to it first."""
+        histories = [r.history for r in requests if r.history is not None]
+        if len(histories) < len(requests):
+            return None
+        for history, prev in zip(histories, previous):
+            history.append(*prev.committed)
+        return histories_drafts(histories, width - 1)

@@ -103,6 +103,7 @@ class VerifyStep:
     bonus: mx.array  # [R]: the next anchors
     taps: mx.array  # [R, rows, n_taps*H]: the target's taps at the step's positions (the kept block's)
     keep: mx.array  # [R]: how many leading tap rows are accepted positions
+    tokens: mx.array  # [R, width]: a round's committed tokens, the first keep of each row (the prefill: its first)
     readout: HostReadout  # the step's accepted, bonus, keep, kv before/after, block kept, target tokens
 
 
@@ -127,6 +128,11 @@ class RoundOutputs:
     @property
     def keep(self) -> mx.array:
         return self.step.keep[self.row]
+
+    @property
+    def committed(self) -> tuple[mx.array, mx.array | int]:
+        """The tokens the round committed, as ``(tokens [width], count)``: the first ``count`` are theirs."""
+        return self.step.tokens[self.row], self.keep if self.block_size else 1
 
     @property
     def tap_shape(self) -> tuple[int, ...]:

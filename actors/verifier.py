@@ -122,7 +122,7 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
         prompt_len = request.cache[0].length
         zero = mx.array([0], dtype=mx.int32)
         readout = HostReadout([zero, first.reshape(1), prompt_len.reshape(1), zero, prompt_len.reshape(1), zero])
-        step = VerifyStep(first.reshape(1), out.taps, prompt_len.reshape(1), readout)
+        step = VerifyStep(first.reshape(1), out.taps, prompt_len.reshape(1), first.reshape(1, 1), readout)
         self.results.put(message.request_id, PREFILL, RoundOutputs(step, 0, 0))
         mx.async_eval(readout.packed, out.taps)
         self.requests[message.request_id] = request
@@ -160,7 +160,7 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
             advance_layers(caches, kept if rows > 1 else kept[0])
             kv_after = caches[0].length.reshape(-1)[:n]
         readout = HostReadout([verdict.accepted, verdict.bonus, keep, kv_before, kv_after, branch, verdict.target_tokens])
-        step = VerifyStep(verdict.bonus, taps, keep, readout)
+        step = VerifyStep(verdict.bonus, taps, keep, verdict.target_tokens, readout)
         for row, (message, block) in enumerate(zip(rounds, blocks)):
             self.results.put(message.request_id, message.round, RoundOutputs(step, row, block))
         mx.async_eval(readout.packed, taps)

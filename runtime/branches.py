@@ -38,14 +38,25 @@ def check_branches(branches: int) -> None:
         raise ValueError(f"branches must be 1 to {MAX_BRANCHES}, got {branches}")
 
 
-def branch_drafts(logits: mx.array, branches: int) -> mx.array:
+def branch_drafts(logits: mx.array, branches: int, context: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """The blocks ``[R, branches, n]`` (int32) a round verifies, from the drafter's ``logits [R, n, V]``.
 
     Block 0 is the argmax of every row: the one block a round drafts alone. Each other block is
     that block with one row's token swapped for a runner-up, at the (row, runner-up) pairs the
     drafter's own probabilities expect to gain most: the chance its rows before are all right,
     times the runner-up's probability, times one plus the run expected after it.
+    ``context``: each row's block copied from its own text and whether it has one
+    (runtime.lookup.context_drafts); where it has, that block replaces the last swap.
     """
+    blocks = _drafter_blocks(logits, branches)
+    if context is None or branches == 1:
+        return blocks
+    copied, found = context
+    last = mx.where(found[:, None], copied.astype(mx.int32), blocks[:, -1])
+    return mx.concatenate([blocks[:, :-1], last[:, None]], axis=1)
+
+
+def _drafter_blocks(logits: mx.array, branches: int) -> mx.array:
     best = mx.argmax(logits, axis=-1).astype(mx.int32)
     rows, n, _ = logits.shape
     swaps = min(branches - 1, n * (RANKS - 1))

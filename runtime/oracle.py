@@ -50,8 +50,9 @@ class OracleDrafter(DFlashDrafter):
         return self
 
     def propose(self, hidden: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
-                noise: mx.array | None = None, branches: int = 1) -> Proposal:
-        real = super().propose(hidden, anchors, temperatures, noise, branches)
+                noise: mx.array | None = None, branches: int = 1,
+                context: tuple[mx.array, mx.array] | None = None) -> Proposal:
+        real = super().propose(hidden, anchors, temperatures, noise, branches, context)
         n = hidden.shape[1]
         anchors = anchors.astype(mx.int32)
         right = self._continuation[anchors][:, :n]

@@ -23,6 +23,7 @@ from .branches import block_tokens, check_branches, keep_branch_host, kept_rows
 from .cache import KVCache, cache_length, trim_caches
 from .errors import RequestError
 from .invariants import RoundAuditor, RoundFacts
+from .lookup import context_drafts
 from .models import DecoderModel
 from .models.dflash import DFlashDrafter, Proposal
 from .plain import check_context
@@ -40,9 +41,10 @@ def draft_sampler(drafter: DFlashDrafter, params: GenerationParams) -> Sampler |
 
 
 def propose_drafts(drafter: DFlashDrafter, hidden: mx.array, anchors: mx.array, samplers: Sequence[Sampler | None],
-                   blocks: Sequence[int], branches: int = 1) -> Proposal:
+                   blocks: Sequence[int], branches: int = 1, context: tuple[mx.array, mx.array] | None = None) -> Proposal:
     """The drafts of stacked blocks from the drafter's rows 1.. (``hidden [R, n, H]``, post-norm),
-    ``branches`` blocks a row (runtime/branches.py).
+    ``branches`` blocks a row, one of them copied from the row's own text where ``context`` has
+    one (runtime/branches.py, runtime/lookup.py).
 
     The one place drafts come from, for the engine's drafter actor and this module's loop.
     Row r < len(samplers) belongs to a request whose block is ``blocks[r]``; a row with a
@@ -50,7 +52,7 @@ def propose_drafts(drafter: DFlashDrafter, hidden: mx.array, anchors: mx.array, 
     shape, so it drafts the same in any batch; other rows (and blank padding) are greedy.
     """
     if all(s is None for s in samplers):
-        return drafter.propose(hidden, anchors, branches=branches)
+        return drafter.propose(hidden, anchors, branches=branches, context=context)
     assert drafter.selector is not None
     rows, n = hidden.shape[:2]
     k = drafter.selector.top_k
@@ -59,7 +61,7 @@ def propose_drafts(drafter: DFlashDrafter, hidden: mx.array, anchors: mx.array, 
     noise += [mx.zeros((n, k))] * (rows - len(noise))
     temperatures = [s.params.temperature if s is not None else 1.0 for s in samplers]
     temperatures += [1.0] * (rows - len(temperatures))
-    return drafter.propose(hidden, anchors, mx.array(temperatures, dtype=mx.float32), mx.stack(noise), branches)
+    return drafter.propose(hidden, anchors, mx.array(temperatures, dtype=mx.float32), mx.stack(noise), branches, context)
 
 
 def block_size_for(drafter: DFlashDrafter, params: GenerationParams) -> int:
@@ -79,6 +81,7 @@ class RequestState:
     pending_ctx: mx.array  # [1, rows, n_taps*H]: accepted features not yet in the drafter cache
     anchor: int
     committed: int  # prompt + generated tokens
+    history: list[int]  # those tokens: the text a block is copied from (runtime/lookup.py)
 
     @property
     def target_kv(self) -> int:
@@ -115,7 +118,7 @@ class SpeculativeDecoder:
         assert out.taps is not None
         mx.eval(first, out.taps)
         token = int(first.item())
-        state = RequestState(cache, self.drafter.make_cache(), out.taps, token, len(prompt_ids) + 1)
+        state = RequestState(cache, self.drafter.make_cache(), out.taps, token, len(prompt_ids) + 1, [*prompt_ids, token])
         self.auditor = RoundAuditor(len(prompt_ids), len(self.drafter.tap_layers), self.target.args.hidden_size)
         return state, token
 
@@ -126,8 +129,10 @@ class SpeculativeDecoder:
         hidden = self.drafter.hidden(tokens, state.pending_ctx, state.drafter_cache)
         if block == 1:
             return Proposal(mx.zeros((1, self.branches, 0), dtype=mx.int32), None)
+        context = context_drafts(mx.array([state.history]), mx.array([len(state.history)]), block - 1) \
+            if self.branches > 1 else None
         return propose_drafts(self.drafter, hidden[:, 1:], mx.array([state.anchor]), [self.draft_sampler], [block],
-                              self.branches)
+                              self.branches, context)
 
     def verify(self, state: RequestState, proposal: Proposal) -> tuple[Verdict, mx.array, mx.array]:
         """The verdict of the block kept, which one it is, and its taps ``[1, block, F]``; the
@@ -163,6 +168,7 @@ class SpeculativeDecoder:
         state.pending_ctx = taps[:, : a + 1]
         state.anchor = committed[-1]
         state.committed += len(committed)
+        state.history += committed
         facts = RoundFacts(
             round=index, anchor_pos=kv_before, block_size=block, drafts=draft_list,
             target_tokens=result.target_tokens.tolist()[: len(draft_list) + 1], accepted=a,

@@ -28,8 +28,9 @@ class BranchingOracle(OracleDrafter):
     drafts, so which block a round keeps, and how much it accepts, are known."""
 
     def propose(self, hidden: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
-                noise: mx.array | None = None, branches: int = 1) -> Proposal:
-        real = super().propose(hidden, anchors, temperatures, noise, branches)
+                noise: mx.array | None = None, branches: int = 1,
+                context: tuple[mx.array, mx.array] | None = None) -> Proposal:
+        real = super().propose(hidden, anchors, temperatures, noise, branches)  # the copied blocks set aside
         n = hidden.shape[1]
         right = self._continuation[anchors.astype(mx.int32)][:, None, :n]
         wrong = mx.arange(n) >= expected_accepted(anchors, branches)[..., None]

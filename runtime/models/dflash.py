@@ -623,11 +623,13 @@ class DFlashDrafter(nn.Module):
         return self.logits(self.hidden(block, ctx_features, cache)[:, 1:])
 
     def propose(self, hidden: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
-                noise: mx.array | None = None, branches: int = 1) -> Proposal:
+                noise: mx.array | None = None, branches: int = 1,
+                context: tuple[mx.array, mx.array] | None = None) -> Proposal:
         """The drafts of blocks whose rows 1.. have the post-norm ``hidden [R, n, H]``.
 
         DFlash 1: the argmax of each row, and with ``branches`` > 1 more blocks from each
-        row's runner-ups (runtime/branches.py). DFlash 2: the selector's path after ``anchors
+        row's runner-ups and ``context``, the blocks copied from each row's own text
+        (runtime/branches.py, runtime/lookup.py). DFlash 2: the selector's path after ``anchors
         [R]``, greedy, or drawn with ``temperatures [R]`` and Gumbel ``noise [R, n, k]``
         (a row at temperature 1 with zero noise is greedy), with each draw's q; one path,
         repeated as every block.
@@ -635,7 +637,7 @@ class DFlashDrafter(nn.Module):
         logits = self.logits(hidden)
         selector = self.selector
         if selector is None:
-            return Proposal(branch_drafts(logits, branches), None)
+            return Proposal(branch_drafts(logits, branches, context), None)
         path, candidates, q = selector.select(hidden, logits, anchors, temperatures, noise)
         probs = None if q is None else mx.put_along_axis(mx.zeros(logits.shape, dtype=q.dtype), candidates, q, axis=-1)
         rows, n = path.shape

@@ -1,0 +1,74 @@
+"""A drafted block copied from the request's own text: what followed the latest earlier
+occurrence of the text's last tokens.
+
+Generated text repeats itself: code reuses its names and lines, a worked answer restates the
+question's numbers, a small model falls into loops. Where it does, the tokens that followed
+the last time the current suffix occurred predict the next ones better than a drafter that
+sees each round afresh. Such a block is one more candidate for a round that verifies several
+(runtime/branches.py): it costs the drafter nothing and, where it is wrong, the verifier keeps
+the drafter's block instead, so the output stays the target's own (docs/branches.md).
+
+Everything here runs on the device over fixed shapes, so the pipelined engine's drafter can
+copy round N+1's block from round N's verdict before the host has read it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+MAX_MATCH = 8  # suffix tokens compared: the longest match wins, a longer one rarely changes the pick
+
+
+def context_drafts(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """Each row's ``n`` next tokens as its text went on after the latest earlier occurrence of
+    its longest suffix (up to :data:`MAX_MATCH` tokens), and whether one occurred.
+
+    ``history [R, C]`` (int32) holds each row's tokens so far, ``length [R]`` how many (at
+    least one; positions past it are ignored). A continuation that runs into the suffix itself
+    repeats with its period, as a loop would. Returns ``(tokens [R, n] int32, found [R] bool)``;
+    a row without an occurrence gets its last token repeated, and ``found`` False.
+    """
+    rows, capacity = history.shape
+    positions = mx.arange(capacity)[None]
+    last = (length.astype(mx.int32) - 1)[:, None]  # [R, 1]: the latest token's position
+    padded = mx.pad(history.astype(mx.int32), [(0, 0), (MAX_MATCH, 0)], constant_values=-1)
+    matched = mx.zeros((rows, capacity), dtype=mx.int32)  # at s: tokens ending at s equal to the suffix
+    still = positions < last  # an occurrence ends before the suffix does
+    for i in range(MAX_MATCH):
+        earlier = padded[:, MAX_MATCH - i : MAX_MATCH - i + capacity]  # token at s - i
+        suffix = mx.take_along_axis(history, mx.maximum(last - i, 0), axis=1)  # token at last - i
+        still = still & (earlier == suffix) & (last - i >= 0)
+        matched = matched + still.astype(mx.int32)
+    best = mx.argmax(matched * capacity + positions, axis=1)  # the longest, then the latest
+    found = mx.take_along_axis(matched, best[:, None], axis=1)[:, 0] > 0
+    period = mx.maximum(last[:, 0] - best, 1)
+    index = best[:, None] + 1 + mx.arange(n)[None] % period[:, None]
+    index = mx.where(found[:, None], index, last)
+    return mx.take_along_axis(history, index.astype(mx.int32), axis=1).astype(mx.int32), found
+
+
+class TokenHistory:
+    """A request's tokens on the device, appended round by round from the verdicts on the device,
+    so a block can be copied from them before the host has read a round (the engine's drafter)."""
+
+    def __init__(self, prompt_ids: Sequence[int], capacity: int) -> None:
+        """``capacity``: the most tokens it will hold, plus a block's worth of slack a round writes past them."""
+        if capacity < len(prompt_ids):
+            raise ValueError(f"capacity {capacity} < the prompt's {len(prompt_ids)} tokens")
+        self.tokens = mx.array([*prompt_ids, *[0] * (capacity - len(prompt_ids))], dtype=mx.int32)
+        self.length = mx.array(len(prompt_ids), dtype=mx.int32)
+
+    def append(self, tokens: mx.array, count: mx.array | int) -> None:
+        """The first ``count`` of ``tokens [W]`` appended (the rest are written past the end, where the next round's go)."""
+        index = mx.minimum(self.length + mx.arange(tokens.shape[0]), self.tokens.shape[0] - 1)
+        self.tokens[index] = tokens.astype(mx.int32)
+        self.length = self.length + count
+
+
+def histories_drafts(histories: Sequence[TokenHistory], n: int) -> tuple[mx.array, mx.array]:
+    """:func:`context_drafts` of stacked requests' histories."""
+    capacity = max(h.tokens.shape[0] for h in histories)
+    tokens = mx.stack([mx.pad(h.tokens, (0, capacity - h.tokens.shape[0])) for h in histories])
+    return context_drafts(tokens, mx.stack([h.length for h in histories]), n)

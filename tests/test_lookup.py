@@ -1,0 +1,100 @@
+"""Blocks copied from a request's own text as one of a round's blocks (runtime/lookup.py)."""
+
+from __future__ import annotations
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from protocol import GenerationParams, RoundRecord, records
+from runtime.bench import run_dflash, run_plain, run_together
+from runtime.branches import branch_drafts
+from runtime.drafters import random_drafter
+from runtime.engine import MODES
+from runtime.loading import LoadedModel, load_checkpoint
+from runtime.lookup import MAX_MATCH, TokenHistory, context_drafts, histories_drafts
+from runtime.models.dflash import DFlashDrafter
+from runtime.random_targets import random_checkpoint
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1500}
+
+
+def copied(history: list[int], n: int) -> tuple[list[int], bool]:
+    tokens, found = context_drafts(mx.array([history]), mx.array([len(history)]), n)
+    return tokens[0].tolist(), bool(found[0].item())
+
+
+def test_a_copied_block_continues_after_the_latest_longest_match_and_loops_with_its_period() -> None:
+    assert copied([5, 1, 2, 3, 9, 1, 2], 6) == ([3, 9, 1, 2, 3, 9], True)  # "1 2" before: then 3 9, then the loop again
+    assert copied([7, 8, 7, 8, 7], 5) == ([8, 7, 8, 7, 8], True)
+    assert copied([4, 1, 6, 2, 1, 6, 3, 1], 2) == ([6, 3], True)  # the latest of two equal matches
+    assert copied([3, 6, 5, 9, 6, 4, 3, 6], 2) == ([5, 9], True)  # "3 6" beats the later "6"
+    assert copied([1, 2, 3, 4], 3) == ([4, 4, 4], False)
+    assert copied([1], 2) == ([1, 1], False)
+
+
+def test_a_match_is_capped_at_max_match_tokens_and_its_latest_occurrence_wins() -> None:
+    text = [9] * (MAX_MATCH + 3)  # every earlier position ends a run as long as the cap: the latest wins
+    assert copied(text + [9], 3) == ([9, 9, 9], True)
+    loop = [2, 5, 8] * 6
+    assert copied(loop, 7) == ([2, 5, 8, 2, 5, 8, 2], True)
+
+
+def test_token_histories_append_rounds_on_the_device_and_stack_at_their_own_lengths() -> None:
+    short, long = TokenHistory([7, 8], 12), TokenHistory([5, 1, 2, 3, 9], 20)
+    short.append(mx.array([7, 8, 7, 0]), 3)  # the fourth token is past the round's: overwritten later
+    long.append(mx.array([1, 2, 77, 77]), mx.array(2))
+    assert short.length.item() == 5 and long.length.item() == 7
+    tokens, found = histories_drafts([short, long], 4)
+    assert tokens.tolist() == [[8, 7, 8, 7], [3, 9, 1, 2]] and found.tolist() == [True, True]
+    with pytest.raises(ValueError, match="capacity 2"):
+        TokenHistory([1, 2, 3], 2)
+
+
+def test_a_found_copy_takes_the_last_blocks_place_and_a_missing_one_leaves_it() -> None:
+    logits = mx.array(np.random.default_rng(1).normal(size=(2, 5, 30)).astype(np.float32))
+    drafted = branch_drafts(logits, 3)
+    context = (mx.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), mx.array([True, False]))
+    both = branch_drafts(logits, 3, context)
+    assert both[0, 2].tolist() == [1, 2, 3, 4, 5] and (both[0, :2] == drafted[0, :2]).all()
+    assert (both[1] == drafted[1]).all()
+    assert (branch_drafts(logits, 1, context) == drafted[:, :1]).all()  # one block: the drafter's
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return load_checkpoint(random_checkpoint("random:qwen3-8b", overrides=SMALL), "float32")
+
+
+@pytest.fixture(scope="module")
+def drafter(target: LoadedModel) -> DFlashDrafter:
+    return random_drafter(target, 1, False, block_size=8)  # untrained: its own blocks are rarely right
+
+
+def test_copied_blocks_win_rounds_on_looping_text_and_every_mode_keeps_the_reference_loops_rounds(
+        target: LoadedModel, drafter: DFlashDrafter, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A random target's greedy text falls into loops: there the copied block (the last of two)
+    is accepted far past the drafter's, the output stays plain greedy's, and every engine mode,
+    batched, makes the reference loop's rounds (the device-side history as the host's)."""
+    params = GenerationParams(max_tokens=200)
+    ids = [target.tokenizer.encode(text) for text in ("def add(a, b):", "Once upon a time", "x")]
+    want = [run_plain(target, p, params).token_ids for p in ids]
+    reference = []
+    for p, plain in zip(ids, want):
+        result, stats = run_dflash(target, drafter, p, params, 2)
+        assert result.token_ids == plain
+        reference.append([(r.facts.accepted, r.facts.branch, r.facts.committed) for r in stats.rounds])
+    one = sum(len(run_dflash(target, drafter, p, params, 1)[1].rounds) for p in ids)
+    assert sum(map(len, reference)) < 0.85 * one
+    assert any(branch == 1 and accepted >= 4 for rounds in reference for accepted, branch, _ in rounds)
+    for mode in MODES:
+        log = tmp_path / f"{mode}.jsonl"
+        group = anyio.run(run_together, target, drafter, ids, params, mode, log, 2)
+        assert [tokens for tokens, _ in group.results] == want, mode
+        rounds: dict[str, list[tuple[int, int, list[int]]]] = {}
+        for record in map(records.from_json, log.read_text().splitlines()):
+            if isinstance(record, RoundRecord):
+                rounds.setdefault(record.request_id, []).append((record.accepted, record.branch, record.committed))
+        assert sorted(rounds.values()) == sorted(reference), mode
