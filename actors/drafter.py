@@ -190,6 +190,9 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
         histories = [r.history for r in requests if r.history is not None]
         if len(histories) < len(requests):
             return None
-        for history, prev in zip(histories, previous):
-            history.append(*prev.committed)
-        return histories_drafts(histories, width - 1)
+        if len({p.step.tokens.shape[1] for p in previous}) == 1:
+            tokens = stacked_rows([(p.step.tokens, p.row) for p in previous])
+        else:  # newcomers' first token beside others' rounds
+            tokens = pad_rows([p.step.tokens[p.row] for p in previous], width)
+        counts = mx.stack([p.keep if p.block_size else mx.array(1, dtype=mx.int32) for p in previous])
+        return histories_drafts(histories, tokens, counts, width - 1)

@@ -130,11 +130,6 @@ class RoundOutputs:
         return self.step.keep[self.row]
 
     @property
-    def committed(self) -> tuple[mx.array, mx.array | int]:
-        """The tokens the round committed, as ``(tokens [width], count)``: the first ``count`` are theirs."""
-        return self.step.tokens[self.row], self.keep if self.block_size else 1
-
-    @property
     def tap_shape(self) -> tuple[int, ...]:
         rows, features = self.step.taps.shape[1:]
         return (min(rows, self.block_size) if self.block_size else rows, features)

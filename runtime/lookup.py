@@ -14,11 +14,15 @@ copy round N+1's block from round N's verdict before the host has read it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from functools import lru_cache
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from .models.steps import default_compile_steps
+
 MAX_MATCH = 8  # suffix tokens compared: the longest match wins, a longer one rarely changes the pick
+CAPACITY_STEP = 256  # histories' lengths on the device, rounded up to a multiple of it
 
 
 def context_drafts(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
@@ -57,18 +61,31 @@ class TokenHistory:
         """``capacity``: the most tokens it will hold, plus a block's worth of slack a round writes past them."""
         if capacity < len(prompt_ids):
             raise ValueError(f"capacity {capacity} < the prompt's {len(prompt_ids)} tokens")
+        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP  # few shapes for the compiled step
         self.tokens = mx.array([*prompt_ids, *[0] * (capacity - len(prompt_ids))], dtype=mx.int32)
         self.length = mx.array(len(prompt_ids), dtype=mx.int32)
 
-    def append(self, tokens: mx.array, count: mx.array | int) -> None:
-        """The first ``count`` of ``tokens [W]`` appended (the rest are written past the end, where the next round's go)."""
-        index = mx.minimum(self.length + mx.arange(tokens.shape[0]), self.tokens.shape[0] - 1)
-        self.tokens[index] = tokens.astype(mx.int32)
-        self.length = self.length + count
 
-
-def histories_drafts(histories: Sequence[TokenHistory], n: int) -> tuple[mx.array, mx.array]:
-    """:func:`context_drafts` of stacked requests' histories."""
+def histories_drafts(histories: Sequence[TokenHistory], tokens: mx.array, counts: mx.array,
+                     n: int) -> tuple[mx.array, mx.array]:
+    """:func:`context_drafts` of stacked requests' histories after each appends the first
+    ``counts [R]`` of its ``tokens [R, W]`` (the rest land past its end, where the next go)."""
     capacity = max(h.tokens.shape[0] for h in histories)
-    tokens = mx.stack([mx.pad(h.tokens, (0, capacity - h.tokens.shape[0])) for h in histories])
-    return context_drafts(tokens, mx.stack([h.length for h in histories]), n)
+    stacked = mx.stack([mx.pad(h.tokens, (0, capacity - h.tokens.shape[0])) for h in histories])
+    lengths = mx.stack([h.length for h in histories])
+    stacked, lengths, copied, found = _appended_drafts(n, default_compile_steps())(stacked, lengths, tokens, counts)
+    for row, history in enumerate(histories):
+        history.tokens, history.length = stacked[row, : history.tokens.shape[0]], lengths[row]
+    return copied, found
+
+
+@lru_cache(maxsize=None)
+def _appended_drafts(n: int, compiled: bool) -> Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]]:
+    def step(history: mx.array, length: mx.array, tokens: mx.array,
+             counts: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        index = mx.minimum(length[:, None] + mx.arange(tokens.shape[1]), history.shape[1] - 1)
+        history = mx.put_along_axis(history, index, tokens.astype(mx.int32), axis=1)
+        length = length + counts.astype(mx.int32)
+        return (history, length, *context_drafts(history, length, n))
+
+    return mx.compile(step) if compiled else step

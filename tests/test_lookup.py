@@ -43,12 +43,14 @@ def test_a_match_is_capped_at_max_match_tokens_and_its_latest_occurrence_wins() 
 
 
 def test_token_histories_append_rounds_on_the_device_and_stack_at_their_own_lengths() -> None:
-    short, long = TokenHistory([7, 8], 12), TokenHistory([5, 1, 2, 3, 9], 20)
-    short.append(mx.array([7, 8, 7, 0]), 3)  # the fourth token is past the round's: overwritten later
-    long.append(mx.array([1, 2, 77, 77]), mx.array(2))
+    short, long = TokenHistory([7, 8], 12), TokenHistory([5, 1, 2, 3, 9], 300)
+    # the tokens past a round's count land past the end: the next round's overwrite them
+    tokens, found = histories_drafts([short, long], mx.array([[7, 8, 7, 0], [1, 2, 77, 77]]), mx.array([3, 2]), 4)
     assert short.length.item() == 5 and long.length.item() == 7
-    tokens, found = histories_drafts([short, long], 4)
+    assert short.tokens.shape == (256,) and long.tokens.shape == (512,) and long.tokens[:9].tolist() == [5, 1, 2, 3, 9, 1, 2, 77, 77]
     assert tokens.tolist() == [[8, 7, 8, 7], [3, 9, 1, 2]] and found.tolist() == [True, True]
+    tokens, _ = histories_drafts([long], mx.array([[3, 9, 5]]), mx.array([3]), 2)
+    assert long.tokens[:10].tolist() == [5, 1, 2, 3, 9, 1, 2, 3, 9, 5] and tokens.tolist() == [[1, 2]]
     with pytest.raises(ValueError, match="capacity 2"):
         TokenHistory([1, 2, 3], 2)
 
