@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from protocol import GenerationParams, RoundRecord, records
+from protocol import GenerationParams
 from runtime.acceptance import branch_verdict_rows
 from runtime.bench import run_dflash, run_plain, run_together
 from runtime.branches import block_tokens, branch_drafts, keep_branch, kept_rows
@@ -18,6 +18,7 @@ from runtime.loading import LoadedModel, load_checkpoint
 from runtime.models.dflash import Proposal
 from runtime.oracle import OracleDrafter
 from runtime.random_targets import greedy_successor, random_checkpoint
+from runtime.replay.reading import read_log
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1500}
@@ -168,11 +169,8 @@ def test_every_engine_mode_keeps_the_blocks_the_reference_loop_keeps(target: Loa
         log = tmp_path / f"{mode}.jsonl"
         group = anyio.run(run_together, target, oracle, ids, params, mode, log, 4)
         assert [tokens for tokens, _ in group.results] == want, mode
-        rounds: dict[str, list[tuple[int, int, list[int]]]] = {}
-        for record in map(records.from_json, log.read_text().splitlines()):
-            if isinstance(record, RoundRecord):
-                rounds.setdefault(record.request_id, []).append((record.accepted, record.branch, record.committed))
-        assert sorted(rounds.values()) == sorted(reference), mode
+        rounds = [[(r.accepted, r.branch, r.committed) for r in request.rounds] for request in read_log(log).requests.values()]
+        assert sorted(rounds) == sorted(reference), mode
 
 
 def test_a_sampled_request_keeps_its_first_block_and_draws_as_with_one(target: LoadedModel, oracle: BranchingOracle) -> None:

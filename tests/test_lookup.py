@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from protocol import GenerationParams, RoundRecord, records
+from protocol import GenerationParams
 from runtime.bench import run_dflash, run_plain, run_together
 from runtime.branches import branch_drafts
 from runtime.drafters import random_drafter
@@ -16,6 +16,7 @@ from runtime.loading import LoadedModel, load_checkpoint
 from runtime.lookup import MAX_MATCH, TokenHistory, context_drafts, histories_drafts
 from runtime.models.dflash import DFlashDrafter
 from runtime.random_targets import random_checkpoint
+from runtime.replay.reading import read_log
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1500}
@@ -95,8 +96,5 @@ def test_copied_blocks_win_rounds_on_looping_text_and_every_mode_keeps_the_refer
         log = tmp_path / f"{mode}.jsonl"
         group = anyio.run(run_together, target, drafter, ids, params, mode, log, 2)
         assert [tokens for tokens, _ in group.results] == want, mode
-        rounds: dict[str, list[tuple[int, int, list[int]]]] = {}
-        for record in map(records.from_json, log.read_text().splitlines()):
-            if isinstance(record, RoundRecord):
-                rounds.setdefault(record.request_id, []).append((record.accepted, record.branch, record.committed))
-        assert sorted(rounds.values()) == sorted(reference), mode
+        rounds = [[(r.accepted, r.branch, r.committed) for r in request.rounds] for request in read_log(log).requests.values()]
+        assert sorted(rounds) == sorted(reference), mode
