@@ -48,10 +48,24 @@ def branch_drafts(logits: mx.array, branches: int, context: tuple[mx.array, mx.a
     ``context``: each row's block copied from its own text and whether it has one
     (runtime.lookup.context_drafts); where it has, that block replaces the last swap.
     """
+    if branches == 1:
+        return mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
+    # some twenty ops: on a GPU, where each costs host time, one compiled step
+    if context is None:
+        return _compiled(_drafter_blocks, branches, default_compile_steps())(logits)
+    return _compiled(_with_copied, branches, default_compile_steps())(logits, *context)
+
+
+@lru_cache(maxsize=None)
+def _compiled(blocks: Callable[..., mx.array], branches: int, compiled: bool) -> Callable[..., mx.array]:
+    def step(*arrays: mx.array) -> mx.array:
+        return blocks(*arrays, branches=branches)
+
+    return mx.compile(step) if compiled else step
+
+
+def _with_copied(logits: mx.array, copied: mx.array, found: mx.array, branches: int) -> mx.array:
     blocks = _drafter_blocks(logits, branches)
-    if context is None or branches == 1:
-        return blocks
-    copied, found = context
     last = mx.where(found[:, None], copied.astype(mx.int32), blocks[:, -1])
     return mx.concatenate([blocks[:, :-1], last[:, None]], axis=1)
 

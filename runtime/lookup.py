@@ -26,6 +26,19 @@ CAPACITY_STEP = 256  # histories' lengths on the device, rounded up to a multipl
 
 
 def context_drafts(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """:func:`copied_block`, as one compiled step on a GPU (some fifty ops, each costing host time there)."""
+    return _compiled_copy(n, default_compile_steps())(history, length)
+
+
+@lru_cache(maxsize=None)
+def _compiled_copy(n: int, compiled: bool) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]:
+    def step(history: mx.array, length: mx.array) -> tuple[mx.array, mx.array]:
+        return copied_block(history, length, n)
+
+    return mx.compile(step) if compiled else step
+
+
+def copied_block(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
     """Each row's ``n`` next tokens as its text went on after the latest earlier occurrence of
     its longest suffix (up to :data:`MAX_MATCH` tokens), and whether one occurred.
 
@@ -86,6 +99,6 @@ def _appended_drafts(n: int, compiled: bool) -> Callable[..., tuple[mx.array, mx
         index = mx.minimum(length[:, None] + mx.arange(tokens.shape[1]), history.shape[1] - 1)
         history = mx.put_along_axis(history, index, tokens.astype(mx.int32), axis=1)
         length = length + counts.astype(mx.int32)
-        return (history, length, *context_drafts(history, length, n))
+        return (history, length, *copied_block(history, length, n))
 
     return mx.compile(step) if compiled else step
