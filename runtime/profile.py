@@ -211,17 +211,17 @@ def chained(step: Step, caches: Sequence[DeviceKVCache], length: int, reps: int,
 
 
 def engine_profile(target: LoadedModel, drafter: DFlashDrafter, max_tokens: int, block: int, top: int,
-                   done: Callable[[], Any] = lambda: None) -> dict[str, Any]:
-    """One request per mode under cProfile (after a warm-up run): tokens/s and the top functions;
-    ``done()`` after each mode."""
+                   done: Callable[[], Any] = lambda: None, branches: int = 1) -> dict[str, Any]:
+    """One request per mode under cProfile (after a warm-up run), its rounds verifying ``branches``
+    blocks (runtime/branches.py): tokens/s and the top functions; ``done()`` after each mode."""
     ids = prompt_ids(target, 64)
     params = GenerationParams(max_tokens=max_tokens, block_size=block)
     report = {}
     for mode in MODES:
-        anyio.run(run_engine, target, drafter, [ids], params, mode)
+        anyio.run(run_engine, target, drafter, [ids], params, mode, None, branches)
         profiler = cProfile.Profile()
         profiler.enable()
-        ((_, event),) = anyio.run(run_engine, target, drafter, [ids], params, mode)
+        ((_, event),) = anyio.run(run_engine, target, drafter, [ids], params, mode, None, branches)
         profiler.disable()
         rows = pstats.Stats(profiler).sort_stats("tottime")
         stats: Any = rows.stats  # type: ignore[attr-defined]
@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="per request in the engine profile")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--no-engine", action="store_true", help="skip the engine profile")
+    parser.add_argument("--branches", type=int, default=1, metavar="K",
+                        help="blocks each of the engine profile's rounds verifies (runtime/branches.py)")
     parser.add_argument("--compile", choices=["auto", "on", "off", "both"], default="both",
                         help="compiled verify/draft steps (auto: on a GPU only); both: each in turn")
     args = parser.parse_args(argv)
@@ -262,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
             run: dict[str, Any] = {"parts": round_parts(target, drafter, args.context, args.block_size, args.reps)}
             bar.update()
             if not args.no_engine:
-                run["engine"] = engine_profile(target, drafter, args.max_tokens, args.block_size, args.top, bar.update)
+                run["engine"] = engine_profile(target, drafter, args.max_tokens, args.block_size, args.top, bar.update,
+                                               args.branches)
             report["compiled" if compiled else "eager"] = run
     print_json(report)
 
