@@ -13,12 +13,13 @@ from runtime.bench import run_dflash, run_plain, run_together
 from runtime.branches import block_tokens, branch_drafts, keep_branch, kept_rows
 from runtime.cache import DeviceKVCache, KVCache, causal_mask, stack_layers
 from runtime.drafters import random_drafter
-from runtime.engine import MODES, Engine
+from runtime.engine import Engine
 from runtime.loading import LoadedModel, load_checkpoint
 from runtime.models.dflash import Proposal
 from runtime.oracle import OracleDrafter
 from runtime.random_targets import greedy_successor, random_checkpoint
-from runtime.replay.reading import read_log
+
+from .engine_rounds import assert_every_mode_makes_these_rounds
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1500}
@@ -165,12 +166,7 @@ def test_every_engine_mode_keeps_the_blocks_the_reference_loop_keeps(target: Loa
     want = [run_plain(target, p, params).token_ids for p in ids]
     reference = [[(r.facts.accepted, r.facts.branch, r.facts.committed) for r in run_dflash(target, oracle, p, params, 4)[1].rounds]
                  for p in ids]
-    for mode in MODES:
-        log = tmp_path / f"{mode}.jsonl"
-        group = anyio.run(run_together, target, oracle, ids, params, mode, log, 4)
-        assert [tokens for tokens, _ in group.results] == want, mode
-        rounds = [[(r.accepted, r.branch, r.committed) for r in request.rounds] for request in read_log(log).requests.values()]
-        assert sorted(rounds) == sorted(reference), mode
+    assert_every_mode_makes_these_rounds(target, oracle, ids, params, 4, reference, want, tmp_path)
 
 
 def test_a_sampled_request_keeps_its_first_block_and_draws_as_with_one(target: LoadedModel, oracle: BranchingOracle) -> None:

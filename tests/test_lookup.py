@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from protocol import GenerationParams
-from runtime.bench import run_dflash, run_plain, run_together
+from runtime.bench import run_dflash, run_plain
 from runtime.branches import branch_drafts
 from runtime.drafters import random_drafter
-from runtime.engine import MODES
 from runtime.loading import LoadedModel, load_checkpoint
 from runtime.lookup import MAX_MATCH, TokenHistory, context_drafts, histories_drafts
 from runtime.models.dflash import DFlashDrafter
 from runtime.random_targets import random_checkpoint
-from runtime.replay.reading import read_log
+
+from .engine_rounds import assert_every_mode_makes_these_rounds
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1500}
@@ -92,9 +91,4 @@ def test_copied_blocks_win_rounds_on_looping_text_and_every_mode_keeps_the_refer
     one = sum(len(run_dflash(target, drafter, p, params, 1)[1].rounds) for p in ids)
     assert sum(map(len, reference)) < 0.85 * one
     assert any(branch == 1 and accepted >= 4 for rounds in reference for accepted, branch, _ in rounds)
-    for mode in MODES:
-        log = tmp_path / f"{mode}.jsonl"
-        group = anyio.run(run_together, target, drafter, ids, params, mode, log, 2)
-        assert [tokens for tokens, _ in group.results] == want, mode
-        rounds = [[(r.accepted, r.branch, r.committed) for r in request.rounds] for request in read_log(log).requests.values()]
-        assert sorted(rounds) == sorted(reference), mode
+    assert_every_mode_makes_these_rounds(target, drafter, ids, params, 2, reference, want, tmp_path)
