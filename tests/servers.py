@@ -60,7 +60,7 @@ class HealthWatch:
     def __init__(self, url: str, every_s: float = 0.02) -> None:
         self.url, self.every_s = url, every_s
         self.probes: list[tuple[int, float]] = []
-        self._done = threading.Event()
+        self._done, self._first = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._poll)
 
     def _poll(self) -> None:
@@ -69,10 +69,12 @@ class HealthWatch:
                 start = time.perf_counter()
                 status = http.get("/health").status_code
                 self.probes.append((status, time.perf_counter() - start))
+                self._first.set()
                 time.sleep(self.every_s)
 
     def __enter__(self) -> "HealthWatch":
         self._thread.start()
+        self._first.wait(10)  # probing before the work starts, however busy the machine
         return self
 
     def __exit__(self, *exc: object) -> None:
