@@ -194,5 +194,8 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
             tokens = stacked_rows([(p.step.tokens, p.row) for p in previous])
         else:  # newcomers' first token beside others' rounds
             tokens = pad_rows([p.step.tokens[p.row] for p in previous], width)
-        counts = mx.stack([p.keep if p.block_size else mx.array(1, dtype=mx.int32) for p in previous])
+        if all(p.block_size for p in previous):  # rounds' keeps: their steps' rows, no op a row
+            counts = stacked_rows([(p.step.keep, p.row) for p in previous])
+        else:  # a prefill keeps its prompt's taps, but adds one token to the text
+            counts = mx.stack([p.keep if p.block_size else mx.array(1, dtype=mx.int32) for p in previous])
         return histories_drafts(histories, tokens, counts, width - 1)

@@ -21,13 +21,12 @@ path): a sampled request's round verifies its first block, the one it would draf
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 
 from .cache import DeviceKVCache, KVCache, moved_rows
-from .models.steps import default_compile_steps
+from .models.steps import compiled_step
 
 MAX_BRANCHES = 16
 RANKS = 4  # a row's tokens a block may take: its best and three runner-ups
@@ -52,21 +51,13 @@ def branch_drafts(logits: mx.array, branches: int, context: tuple[mx.array, mx.a
         return mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
     # some twenty ops: on a GPU, where each costs host time, one compiled step
     if context is None:
-        return _compiled(_drafter_blocks, branches, default_compile_steps())(logits)
-    return _compiled(_with_copied, branches, default_compile_steps())(logits, *context)
-
-
-@lru_cache(maxsize=None)
-def _compiled(blocks: Callable[..., mx.array], branches: int, compiled: bool) -> Callable[..., mx.array]:
-    def step(*arrays: mx.array) -> mx.array:
-        return blocks(*arrays, branches=branches)
-
-    return mx.compile(step) if compiled else step
+        return compiled_step(_drafter_blocks, branches=branches)(logits)
+    return compiled_step(_with_copied, branches=branches)(logits, *context)
 
 
 def _with_copied(logits: mx.array, copied: mx.array, found: mx.array, branches: int) -> mx.array:
     blocks = _drafter_blocks(logits, branches)
-    last = mx.where(found[:, None], copied.astype(mx.int32), blocks[:, -1])
+    last = mx.where(found[:, None], copied, blocks[:, -1])
     return mx.concatenate([blocks[:, :-1], last[:, None]], axis=1)
 
 
@@ -119,17 +110,13 @@ def keep_branch(caches: Sequence[DeviceKVCache], start: mx.array, branch: mx.arr
     """
     first = (start + branch * width).astype(mx.int32)
     buffers = [c.keys for c in caches] + [c.values for c in caches]
-    moved = _mover(width, default_compile_steps())(first, start, *buffers)
+    moved = compiled_step(_moved_buffers, width=width)(first, start, *buffers)
     for i, cache in enumerate(caches):
         cache.keys, cache.values = moved[i], moved[len(caches) + i]
 
 
-@lru_cache(maxsize=None)
-def _mover(width: int, compiled: bool) -> Callable[..., list[mx.array]]:
-    def move(first: mx.array, start: mx.array, *buffers: mx.array) -> list[mx.array]:
-        return [moved_rows(buffer, first, start, width) for buffer in buffers]
-
-    return mx.compile(move) if compiled else move
+def _moved_buffers(first: mx.array, start: mx.array, *buffers: mx.array, width: int) -> list[mx.array]:
+    return [moved_rows(buffer, first, start, width) for buffer in buffers]
 
 
 def keep_branch_host(caches: Sequence[KVCache], start: int, branch: int, width: int) -> None:

@@ -14,12 +14,11 @@ copy round N+1's block from round N's verdict before the host has read it.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 
-from .models.steps import default_compile_steps
+from .models.steps import compiled_step
 
 MAX_MATCH = 8  # suffix tokens compared: the longest match wins, a longer one rarely changes the pick
 CAPACITY_STEP = 256  # histories' lengths on the device, rounded up to a multiple of it
@@ -27,15 +26,7 @@ CAPACITY_STEP = 256  # histories' lengths on the device, rounded up to a multipl
 
 def context_drafts(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
     """:func:`copied_block`, as one compiled step on a GPU (some fifty ops, each costing host time there)."""
-    return _compiled_copy(n, default_compile_steps())(history, length)
-
-
-@lru_cache(maxsize=None)
-def _compiled_copy(n: int, compiled: bool) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]:
-    def step(history: mx.array, length: mx.array) -> tuple[mx.array, mx.array]:
-        return copied_block(history, length, n)
-
-    return mx.compile(step) if compiled else step
+    return compiled_step(copied_block, n=n)(history, length)
 
 
 def copied_block(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
@@ -86,19 +77,15 @@ def histories_drafts(histories: Sequence[TokenHistory], tokens: mx.array, counts
     capacity = max(h.tokens.shape[0] for h in histories)
     stacked = mx.stack([mx.pad(h.tokens, (0, capacity - h.tokens.shape[0])) for h in histories])
     lengths = mx.stack([h.length for h in histories])
-    stacked, lengths, copied, found = _appended_drafts(n, default_compile_steps())(stacked, lengths, tokens, counts)
+    stacked, lengths, copied, found = compiled_step(_appended_drafts, n=n)(stacked, lengths, tokens, counts)
     for row, history in enumerate(histories):
         history.tokens, history.length = stacked[row, : history.tokens.shape[0]], lengths[row]
     return copied, found
 
 
-@lru_cache(maxsize=None)
-def _appended_drafts(n: int, compiled: bool) -> Callable[..., tuple[mx.array, mx.array, mx.array, mx.array]]:
-    def step(history: mx.array, length: mx.array, tokens: mx.array,
-             counts: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        index = mx.minimum(length[:, None] + mx.arange(tokens.shape[1]), history.shape[1] - 1)
-        history = mx.put_along_axis(history, index, tokens.astype(mx.int32), axis=1)
-        length = length + counts.astype(mx.int32)
-        return (history, length, *copied_block(history, length, n))
-
-    return mx.compile(step) if compiled else step
+def _appended_drafts(history: mx.array, length: mx.array, tokens: mx.array, counts: mx.array,
+                     n: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    index = mx.minimum(length[:, None] + mx.arange(tokens.shape[1]), history.shape[1] - 1)
+    history = mx.put_along_axis(history, index, tokens.astype(mx.int32), axis=1)
+    length = length + counts.astype(mx.int32)
+    return (history, length, *copied_block(history, length, n))

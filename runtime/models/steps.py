@@ -13,7 +13,8 @@ a trace is kept under.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from functools import lru_cache
+from typing import Any, Callable, Hashable, Sequence
 
 import mlx.core as mx
 
@@ -25,6 +26,21 @@ Step = Callable[..., list[mx.array]]
 def default_compile_steps() -> bool:
     """On by default on a GPU; on the CPU a trace builds C++ kernels and saves little."""
     return mx.default_device() == mx.gpu
+
+
+def compiled_step(function: Callable[..., Any], **fixed: Hashable) -> Callable[..., Any]:
+    """``function`` with the keyword arguments ``fixed`` bound, ``mx.compile``'d where steps are
+    compiled by default (a GPU: a step of many small ops then costs the host one call); one
+    per function and binding."""
+    return _bound(function, tuple(sorted(fixed.items())), default_compile_steps())
+
+
+@lru_cache(maxsize=None)
+def _bound(function: Callable[..., Any], fixed: tuple[tuple[str, Hashable], ...], compiled: bool) -> Callable[..., Any]:
+    def step(*arrays: mx.array) -> Any:
+        return function(*arrays, **dict(fixed))
+
+    return mx.compile(step) if compiled else step
 
 
 def traceable(caches: Sequence[object] | None) -> bool:
