@@ -25,8 +25,16 @@ CAPACITY_STEP = 256  # histories' lengths on the device, rounded up to a multipl
 
 
 def context_drafts(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
-    """:func:`copied_block`, as one compiled step on a GPU (some fifty ops, each costing host time there)."""
-    return compiled_step(copied_block, n=n)(history, length)
+    """:func:`copied_block`, as one compiled step on a GPU (some fifty ops, each costing host time
+    there). The history is padded to a rounded capacity first: a compiled step is traced again
+    for every new shape, and on a GPU a trace builds kernels for seconds."""
+    padding = rounded_capacity(history.shape[1]) - history.shape[1]
+    return compiled_step(copied_block, n=n)(mx.pad(history, [(0, 0), (0, padding)]), length)
+
+
+def rounded_capacity(tokens: int) -> int:
+    """A history's length on the device: a multiple of :data:`CAPACITY_STEP`, so few shapes."""
+    return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
 
 
 def copied_block(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
@@ -65,7 +73,7 @@ class TokenHistory:
         """``capacity``: the most tokens it will hold, plus a block's worth of slack a round writes past them."""
         if capacity < len(prompt_ids):
             raise ValueError(f"capacity {capacity} < the prompt's {len(prompt_ids)} tokens")
-        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP  # few shapes for the compiled step
+        capacity = rounded_capacity(capacity)
         self.tokens = mx.array([*prompt_ids, *[0] * (capacity - len(prompt_ids))], dtype=mx.int32)
         self.length = mx.array(len(prompt_ids), dtype=mx.int32)
 

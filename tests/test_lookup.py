@@ -11,7 +11,8 @@ from runtime.bench import run_dflash, run_plain
 from runtime.branches import branch_drafts
 from runtime.drafters import random_drafter
 from runtime.loading import LoadedModel, load_checkpoint
-from runtime.lookup import MAX_MATCH, TokenHistory, context_drafts, histories_drafts
+from runtime import lookup
+from runtime.lookup import CAPACITY_STEP, MAX_MATCH, TokenHistory, context_drafts, histories_drafts
 from runtime.models.dflash import DFlashDrafter
 from runtime.random_targets import random_checkpoint
 
@@ -40,6 +41,35 @@ def test_a_match_is_capped_at_max_match_tokens_and_its_latest_occurrence_wins() 
     assert copied(text + [9], 3) == ([9, 9, 9], True)
     loop = [2, 5, 8] * 6
     assert copied(loop, 7) == ([2, 5, 8, 2, 5, 8, 2], True)
+
+
+def test_histories_of_any_length_reach_the_compiled_copy_in_few_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a compiled step is traced again for each new shape: on a GPU that took seconds a round
+    shapes: set[tuple[int, ...]] = set()
+
+    def recording(function, **fixed):  # type: ignore[no-untyped-def]
+        def step(history: mx.array, length: mx.array) -> tuple[mx.array, mx.array]:
+            shapes.add(tuple(history.shape))
+            return function(history, length, **fixed)
+        return step
+
+    monkeypatch.setattr(lookup, "compiled_step", recording)
+    text = [int(t) for t in np.random.default_rng(0).integers(0, 7, 300)]
+    for length in range(1, 301):
+        tokens, found = copied(text[:length], 5)
+        assert (tokens, found) == expected_copy(text[:length], 5)
+    assert shapes == {(1, CAPACITY_STEP), (1, 2 * CAPACITY_STEP)}
+
+
+def expected_copy(history: list[int], n: int) -> tuple[list[int], bool]:
+    """The copy rule spelled out on the host: the longest suffix (up to MAX_MATCH), its latest occurrence."""
+    last = len(history) - 1
+    for size in range(min(MAX_MATCH, last), 0, -1):
+        for end in range(last - 1, size - 2, -1):
+            if history[end - size + 1 : end + 1] == history[last - size + 1 :]:
+                period = last - end
+                return [history[end + 1 + i % period] for i in range(n)], True
+    return [history[last]] * n, False
 
 
 def test_token_histories_append_rounds_on_the_device_and_stack_at_their_own_lengths() -> None:
