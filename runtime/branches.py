@@ -67,10 +67,8 @@ def _drafter_blocks(logits: mx.array, branches: int) -> mx.array:
     swaps = min(branches - 1, n * (RANKS - 1))
     if swaps <= 0:
         return mx.broadcast_to(best[:, None], (rows, branches, n))
-    ranked = mx.argpartition(-logits, kth=RANKS - 1, axis=-1)[..., :RANKS]
+    ranked = _best_tokens(logits, RANKS)
     probs = mx.take_along_axis(mx.softmax(logits.astype(mx.float32), axis=-1), ranked, axis=-1)
-    order = mx.argsort(-probs, axis=-1)
-    ranked, probs = mx.take_along_axis(ranked, order, axis=-1).astype(mx.int32), mx.take_along_axis(probs, order, axis=-1)
     log_best = mx.log(mx.maximum(probs[..., 0], 1e-9))
     held = mx.cumsum(log_best, axis=1)  # log P(rows 1..i all right)
     later = mx.arange(n)[None, :] > mx.arange(n)[:, None]
@@ -83,6 +81,20 @@ def _drafter_blocks(logits: mx.array, branches: int) -> mx.array:
     # too few rows for that many swaps (a small block): block 0 again, which never wins a tie
     repeats = mx.broadcast_to(best[:, None], (rows, branches - 1 - swaps, n))
     return mx.concatenate([best[:, None], blocks, repeats], axis=1)
+
+
+def _best_tokens(logits: mx.array, count: int) -> mx.array:
+    """``[..., count]``: each row's ``count`` likeliest tokens, best first (ties: the lower id).
+
+    By repeated argmax rather than ``argpartition``: MLX's CUDA backend partitions by sorting
+    the whole vocabulary (ml-explore/mlx#2302, #3064), a suspect in the draft's 4.2 -> 12.7 ms
+    on an H100 when rounds verify two blocks (BENCHMARKS.md, session 31)."""
+    vocab = mx.arange(logits.shape[-1])
+    picks = []
+    for _ in range(count):
+        picks.append(mx.argmax(logits, axis=-1).astype(mx.int32))
+        logits = mx.where(vocab == picks[-1][..., None], -mx.inf, logits)
+    return mx.stack(picks, axis=-1)
 
 
 def block_tokens(anchors: mx.array, drafts: mx.array) -> mx.array:
