@@ -20,11 +20,13 @@ from typing import Callable
 
 import mlx.core as mx
 
+from runtime.branches import RANKS, _best_tokens
 from runtime.models.attention import cache_attention, uses_kernel
 
 CHAIN = 64
 REPS = 12
 ROWS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, KEYS = 16, 576, 9, 3, 64, 256
+VOCAB = 49152
 DTYPE = mx.float16
 
 
@@ -68,6 +70,13 @@ def steps() -> dict[str, tuple[Callable[[mx.array], mx.array], mx.array, int]]:
         "sdpa, mask array": (lambda y: mx.fast.scaled_dot_product_attention(y, keys, values, scale=0.125, mask=mask), heads, 1),
         "slice_update at device offset": (lambda c: mx.slice_update(c, update, offset, axes=(2,)), cache, 1),
     }
+    logits = r(ROWS - 1, VOCAB)  # a draft's rows: a round's runner-up tokens come from them (runtime/branches.py)
+    table.update({  # a whole link each (its ops counted as one): the top tokens, then a zero add that chains them
+        "top-4 of a vocab by argpartition (a link)": (
+            lambda y: y + mx.argpartition(-y, kth=RANKS - 1, axis=-1)[..., :1].astype(y.dtype) * 0, logits, 1),
+        "top-4 of a vocab by 4 argmax (a link)": (
+            lambda y: y + _best_tokens(y, RANKS)[..., :1].astype(y.dtype) * 0, logits, 1),
+    })
     add = custom_add()
     if add is not None:
         table["custom kernel add"] = (lambda y: add(y, b), x, 1)
