@@ -20,7 +20,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from runtime.branches import RANKS, _best_tokens
+from runtime.branches import RANKS, best_tokens
 from runtime.models.attention import cache_attention, uses_kernel
 
 CHAIN = 64
@@ -75,7 +75,7 @@ def steps() -> dict[str, tuple[Callable[[mx.array], mx.array], mx.array, int]]:
         "top-4 of a vocab by argpartition (a link)": (
             lambda y: y + mx.argpartition(-y, kth=RANKS - 1, axis=-1)[..., :1].astype(y.dtype) * 0, logits, 1),
         "top-4 of a vocab by 4 argmax (a link)": (
-            lambda y: y + _best_tokens(y, RANKS)[..., :1].astype(y.dtype) * 0, logits, 1),
+            lambda y: y + best_tokens(y, RANKS)[..., :1].astype(y.dtype) * 0, logits, 1),
     })
     add = custom_add()
     if add is not None:

@@ -62,12 +62,13 @@ def _with_copied(logits: mx.array, copied: mx.array, found: mx.array, branches: 
 
 
 def _drafter_blocks(logits: mx.array, branches: int) -> mx.array:
-    best = mx.argmax(logits, axis=-1).astype(mx.int32)
     rows, n, _ = logits.shape
     swaps = min(branches - 1, n * (RANKS - 1))
     if swaps <= 0:
+        best = mx.argmax(logits, axis=-1).astype(mx.int32)
         return mx.broadcast_to(best[:, None], (rows, branches, n))
-    ranked = _best_tokens(logits, RANKS)
+    ranked = best_tokens(logits, RANKS)
+    best = ranked[..., 0]
     probs = mx.take_along_axis(mx.softmax(logits.astype(mx.float32), axis=-1), ranked, axis=-1)
     log_best = mx.log(mx.maximum(probs[..., 0], 1e-9))
     held = mx.cumsum(log_best, axis=1)  # log P(rows 1..i all right)
@@ -83,7 +84,7 @@ def _drafter_blocks(logits: mx.array, branches: int) -> mx.array:
     return mx.concatenate([best[:, None], blocks, repeats], axis=1)
 
 
-def _best_tokens(logits: mx.array, count: int) -> mx.array:
+def best_tokens(logits: mx.array, count: int) -> mx.array:
     """``[..., count]``: each row's ``count`` likeliest tokens, best first (ties: the lower id).
 
     By repeated argmax rather than ``argpartition``: MLX's CUDA backend partitions by sorting
