@@ -23,7 +23,7 @@ from runtime.sampling import is_greedy
 from runtime.stopping import Emission, TextStream, delivered_tokens
 from runtime.tokenizer import Tokenizer
 
-from .mailbox import Actor, Inbox, Outbox
+from .mailbox import Actor, Inbox, Outbox, send_soon
 from .rounds import DraftOutputs, RoundOutputs, RoundReader
 from .schedule import NONE, PREFILL, Schedule
 
@@ -191,7 +191,7 @@ class Committer(Actor):
         finished = emission.finish_reason is not None
         discarded = self._rounds_in_flight(request) if finished else 0
         for inbox in self.acks:
-            await inbox.send(RoundAck(request_id=request_id, round=round, finished=finished, target_kv=kv,
+            await send_soon(inbox, RoundAck(request_id=request_id, round=round, finished=finished, target_kv=kv,
                                       drafter_ctx=ctx, generated=len(request.stream.token_ids)))
         event = TokenEvent(request_id=request_id, token_ids=emission.token_ids, text=emission.text,
                            finish_reason=emission.finish_reason,
@@ -207,7 +207,7 @@ class Committer(Actor):
     async def _finish(self, request_id: str, request: CommitterRequest, reason: str, error: str | None = None) -> None:
         discarded = self._rounds_in_flight(request)
         for inbox in self.acks:
-            await inbox.send(Cancelled(request_id=request_id))
+            await send_soon(inbox, Cancelled(request_id=request_id))
         self._log_finish(request_id, request, reason, error, discarded)
         last = TokenEvent(request_id=request_id, token_ids=[], text="", finish_reason=reason,
                           usage=self._usage(request), error=error)

@@ -45,7 +45,7 @@ from runtime.models import DecoderModel
 from runtime.plain import check_context
 from runtime.sampling import Sampler, check_params
 
-from .mailbox import DeviceStateOwner, Inbox, Outbox, send_burst
+from .mailbox import DeviceStateOwner, Inbox, Outbox, send_burst, send_soon
 from .rounds import DraftOutputs, RoundOutputs, RoundReader, RoundResults, VerifiedRow, VerifyStep, stacked_rows
 from .schedule import NONE, PREFILL, Schedule
 
@@ -126,8 +126,8 @@ class Verifier(DeviceStateOwner[VerifierRequest, RoundOutputs]):
         self.results.put(message.request_id, PREFILL, RoundOutputs(step, 0, 0))
         mx.async_eval(readout.packed, out.taps)
         self.requests[message.request_id] = request
-        await self.committer.send(Prefilled(request_id=message.request_id, queued_at=queued))
-        await self.drafter.send(VerdictQueued(request_id=message.request_id, round=PREFILL))
+        await send_soon(self.committer, Prefilled(request_id=message.request_id, queued_at=queued))
+        await send_soon(self.drafter, VerdictQueued(request_id=message.request_id, round=PREFILL))
 
     async def _verify(self, rounds: Sequence[Drafted]) -> None:
         """One target forward for the given rounds of different requests (plus blank padding rows)."""

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
+from actors.mailbox import Actor, Inbox, make_inbox
 from actors.schedule import MODES, Schedule
-from protocol import GenerationParams
+from protocol import Cancelled, GenerationParams
 from runtime.engine import Engine
 from runtime.loading import LoadedModel
 from runtime.models.dflash import DFlashDrafter
@@ -107,3 +109,41 @@ def test_every_mode_commits_the_same_tokens_alone_and_batched(tiny_llama: Loaded
     want = results["sequential"]
     for mode, got in results.items():
         assert got == want, mode
+
+
+def test_an_actor_handles_the_messages_waiting_in_its_inbox_in_one_go_then_flushes() -> None:
+    """Messages already waiting are read without a trip through the event loop each (a batched
+    round brings several per request), and the flush comes once, after all of them."""
+    class Counting(Actor):
+        def __init__(self, inbox: Inbox) -> None:
+            super().__init__(inbox)
+            self.flushed_after: list[int] = []
+
+        async def handle(self, message: Any) -> None:
+            pass
+
+        async def flush(self) -> None:
+            self.flushed_after.append(self.handled)
+
+    seen: list[int] = []
+
+    async def main() -> None:
+        send, receive = make_inbox()
+        actor = Counting(receive)
+        for i in range(10):
+            send.send_nowait(Cancelled(request_id=f"r{i}"))
+
+        async def watch() -> None:  # what another task sees whenever it gets the loop
+            for _ in range(30):
+                seen.append(actor.handled)
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(actor.run)
+            tg.start_soon(watch)
+            await anyio.sleep(0.05)
+            send.close()
+        assert actor.flushed_after == [10]
+
+    anyio.run(main)
+    assert set(seen) <= {0, 10}, seen
