@@ -264,14 +264,14 @@ def _gpu_backend_installed() -> bool:
     return any(dist.metadata["Name"].lower().startswith("mlx-cuda") for dist in importlib.metadata.distributions())
 
 
-def _say_reference() -> None:
+def _say_reference(fix: str = "pip install ngsolve-openblas, or install the system's DYNAMIC_ARCH OpenBLAS "
+                                  "(Debian/Ubuntu: apt-get install libopenblas0-pthread)") -> None:
     if _gpu_backend_installed():
         return
     why = "; ".join(rejected) if rejected else "no OpenBLAS found"
     print(f"dflash-runtime: float32 CPU matmuls use the reference BLAS (same results, far slower on a "
-          f"block: ~B times one token) because {why}. Fix: pip install ngsolve-openblas, or install the "
-          f"system's DYNAMIC_ARCH OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread); "
-          f"DFLASH_BLAS=reference silences this.", file=sys.stderr)
+          f"block: ~B times one token) because {why}. Fix: {fix}; DFLASH_BLAS=reference silences this.",
+          file=sys.stderr)
 
 
 def preload_openblas() -> str | None:
@@ -279,8 +279,12 @@ def preload_openblas() -> str | None:
     global loaded_blas
     if loaded_blas or not sys.platform.startswith("linux"):
         return loaded_blas
-    if os.environ.get("DFLASH_BLAS") == "reference" or "mlx.core" in sys.modules:
-        return None  # asked for, or too late: MLX already bound its BLAS symbols
+    if os.environ.get("DFLASH_BLAS") == "reference":
+        return None
+    if "mlx.core" in sys.modules:  # too late: MLX already bound its BLAS symbols
+        rejected.append("mlx was imported before runtime")
+        _say_reference(fix="import runtime (or anything from it) before mlx")
+        return None
     for candidate in candidates():
         path = with_fortran_runtime(candidate.path) if candidate.from_wheel else candidate.path
         verdict = cached_probe(path)

@@ -23,9 +23,10 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Op
 REFERENCE_NOTICE = "dflash-runtime: float32 CPU matmuls use the reference BLAS"
 
 
-def picked(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """A fresh process's choice, with its own verdict cache (``tmp_path``): stdout is ``blas_in_use()``."""
-    code = "import runtime, runtime.blas as b; print(b.blas_in_use())"
+def picked(tmp_path: Path, first: str = "", **env: str) -> subprocess.CompletedProcess[str]:
+    """A fresh process's choice, with its own verdict cache (``tmp_path``): stdout is ``blas_in_use()``.
+    ``first``: what the process imports before runtime."""
+    code = f"{first}import runtime, runtime.blas as b; print(b.blas_in_use())"
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env},
                           capture_output=True, text=True, check=True)
 
@@ -72,6 +73,13 @@ def test_a_library_that_does_not_load_falls_back_to_the_reference_blas_and_says_
     assert done.stdout.strip().startswith("reference (") and "does not load" in done.stdout
     assert done.stderr.count(REFERENCE_NOTICE) == 1 and "pip install ngsolve-openblas" in done.stderr
     assert not (tmp_path / "dflash-runtime" / "blas-verdicts.json").exists()  # a missing file may come: not cached
+
+
+@linux_only
+def test_mlx_imported_before_runtime_keeps_the_reference_blas_and_says_to_import_runtime_first(tmp_path: Path) -> None:
+    done = picked(tmp_path, first="import mlx.core; ")
+    assert done.stdout.strip().startswith("reference (") and "mlx was imported before runtime" in done.stdout
+    assert done.stderr.count(REFERENCE_NOTICE) == 1 and "import runtime (or anything from it) before mlx" in done.stderr
 
 
 @linux_only
