@@ -25,7 +25,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import DeviceKVCache, KVCache, moved_rows
+from .cache import DeviceKVCache, KVCache, moved_index
 from .models.steps import compiled_step
 
 MAX_BRANCHES = 16
@@ -119,7 +119,8 @@ def keep_branch(caches: Sequence[DeviceKVCache], start: mx.array, branch: mx.arr
     """After a verify of blocks of ``width`` rows written at ``start`` (``[R]`` or a scalar): every
     layer's rows of block ``branch`` moved to ``start``, where a lone block's would be.
 
-    Four ops a layer; on a GPU, where each op costs host time, they run as one compiled step.
+    One gather a buffer, over one shared index; on a GPU, where each op costs host time, they
+    run as one compiled step.
     """
     first = (start + branch * width).astype(mx.int32)
     buffers = [c.keys for c in caches] + [c.values for c in caches]
@@ -129,7 +130,11 @@ def keep_branch(caches: Sequence[DeviceKVCache], start: mx.array, branch: mx.arr
 
 
 def _moved_buffers(first: mx.array, start: mx.array, *buffers: mx.array, width: int) -> list[mx.array]:
-    return [moved_rows(buffer, first, start, width) for buffer in buffers]
+    indices: dict[int, mx.array] = {}  # by capacity: every layer's buffers share one
+    for buffer in buffers:
+        if buffer.shape[2] not in indices:
+            indices[buffer.shape[2]] = moved_index(buffer.shape[2], first, start, width)
+    return [mx.take_along_axis(buffer, indices[buffer.shape[2]], axis=2) for buffer in buffers]
 
 
 def keep_branch_host(caches: Sequence[KVCache], start: int, branch: int, width: int) -> None:

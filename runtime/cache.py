@@ -229,18 +229,16 @@ class DeviceKVCache:
         return other
 
 
-def moved_rows(buffer: mx.array, source: mx.array, to: mx.array, rows: int) -> mx.array:
-    """``buffer [B, H, T, D]`` with ``rows`` positions from ``source`` copied to ``to`` (device
-    scalars, or one each per batch row ``[B]``)."""
-    if source.ndim == 0:
-        b, h, _, d = buffer.shape
-        block = mx.slice(buffer, source.reshape(1), axes=(2,), slice_size=(b, h, rows, d))
-        return mx.slice_update(buffer, block, start_indices=to.reshape(1), axes=(2,))
-    span = mx.arange(rows)
-    shape = (buffer.shape[0], buffer.shape[1], rows, buffer.shape[3])
-    read = mx.broadcast_to((source[:, None] + span)[:, None, :, None], shape)
-    write = mx.broadcast_to((to[:, None] + span)[:, None, :, None], shape)
-    return mx.put_along_axis(buffer, write, mx.take_along_axis(buffer, read, axis=2), axis=2)
+def moved_index(capacity: int, source: mx.array, to: mx.array, rows: int) -> mx.array:
+    """``[B or 1, 1, capacity, 1]``: each position's row after ``rows`` rows from ``source`` are
+    copied to ``to``, for ``take_along_axis`` over a buffer's positions. One gather a buffer
+    instead of a slice and a slice update (on a GPU each is a kernel launch the host pays,
+    and a cache buffer passed into a step is copied whole by a slice update all the same),
+    and one index for every buffer of that capacity."""
+    positions = mx.arange(capacity).reshape(1, 1, capacity, 1)
+    source, to = source.reshape(-1, 1, 1, 1), to.reshape(-1, 1, 1, 1)
+    inside = (positions >= to) & (positions < to + rows)
+    return mx.where(inside, positions + (source - to), positions).astype(mx.int32)
 
 
 def advance_layers(caches: Sequence[DeviceKVCache], n: mx.array | int) -> None:

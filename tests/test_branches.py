@@ -109,6 +109,25 @@ def test_blocks_verified_together_equal_each_block_verified_alone(target: Loaded
         assert mx.allclose(caches[-1].values[r, :, : n + 3], lone[-1].values[0, :, : n + 3], atol=1e-5)
 
 
+def test_keeping_a_block_moves_its_rows_where_a_lone_blocks_would_be_and_nothing_else() -> None:
+    """Stacked requests, each with its own write position and kept block (the verifier's case),
+    and a lone request with scalars; keys and values of different widths."""
+    rng = np.random.default_rng(0)
+    width, capacity = 4, 40
+    for start, branch in (([3, 9], [2, 0]), ([5], [1]), (7, 3)):
+        rows = len(start) if isinstance(start, list) else 1
+        keys = rng.standard_normal((rows, 2, capacity, 8)).astype(np.float32)
+        values = rng.standard_normal((rows, 2, capacity, 6)).astype(np.float32)
+        caches = [DeviceKVCache()]
+        caches[0].keys, caches[0].values = mx.array(keys), mx.array(values)
+        keep_branch(caches, mx.array(start, dtype=mx.int32), mx.array(branch, dtype=mx.int32), width)
+        for got, buffer in ((caches[0].keys, keys), (caches[0].values, values)):
+            want = buffer.copy()
+            for r, (s, b) in enumerate(zip(np.atleast_1d(start), np.atleast_1d(branch))):
+                want[r, :, s : s + width] = buffer[r, :, s + b * width : s + (b + 1) * width]
+            np.testing.assert_array_equal(np.array(got), want)
+
+
 def test_branch_drafts_swap_in_the_runner_ups_the_drafter_expects_to_gain_most() -> None:
     """Block 0 is the argmax; each other block swaps one row for one of its best runner-ups, in
     order of P(rows before right) x p(runner-up) x (1 + the run expected after), recomputed here."""
