@@ -130,11 +130,9 @@ def keep_branch(caches: Sequence[DeviceKVCache], start: mx.array, branch: mx.arr
 
 
 def _moved_buffers(first: mx.array, start: mx.array, *buffers: mx.array, width: int) -> list[mx.array]:
-    indices: dict[int, mx.array] = {}  # by capacity: every layer's buffers share one
-    for buffer in buffers:
-        if buffer.shape[2] not in indices:
-            indices[buffer.shape[2]] = moved_index(buffer.shape[2], first, start, width)
-    return [mx.take_along_axis(buffer, indices[buffer.shape[2]], axis=2) for buffer in buffers]
+    # a model's layers are written the same rows, so their buffers share one capacity (as advance_layers relies on)
+    index = moved_index(buffers[0].shape[2], first, start, width)
+    return [mx.take_along_axis(buffer, index, axis=2) for buffer in buffers]
 
 
 def keep_branch_host(caches: Sequence[KVCache], start: int, branch: int, width: int) -> None:

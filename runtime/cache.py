@@ -234,7 +234,7 @@ def moved_index(capacity: int, source: mx.array, to: mx.array, rows: int) -> mx.
     copied to ``to``, for ``take_along_axis`` over a buffer's positions. One gather a buffer
     instead of a slice and a slice update (on a GPU each is a kernel launch the host pays,
     and a cache buffer passed into a step is copied whole by a slice update all the same),
-    and one index for every buffer of that capacity."""
+    and one index for every buffer of a model's cache."""
     positions = mx.arange(capacity).reshape(1, 1, capacity, 1)
     source, to = source.reshape(-1, 1, 1, 1), to.reshape(-1, 1, 1, 1)
     inside = (positions >= to) & (positions < to + rows)
