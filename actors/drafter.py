@@ -82,7 +82,7 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
             block = block_size_for(self.drafter, message.params)
             # rounds drafted ahead of the last verdict read may append past max_tokens: room for a few
             history = TokenHistory(message.prompt_ids, len(message.prompt_ids) + message.params.max_tokens + 4 * block) \
-                if self.branches > 1 else None
+                if self.drafter.copies_blocks else None
             self.requests[message.request_id] = DrafterRequest(
                 self.drafter.make_device_cache(), block, message.params.max_tokens,
                 sampler=draft_sampler(self.drafter, message.params), history=history)

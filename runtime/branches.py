@@ -30,6 +30,7 @@ from .models.steps import compiled_step
 
 MAX_BRANCHES = 16
 RANKS = 4  # a row's tokens a block may take: its best and three runner-ups
+COPY_MATCH = 2  # suffix tokens a copy's occurrence must match to replace a lone block outright
 
 
 def check_branches(branches: int) -> None:
@@ -44,10 +45,12 @@ def branch_drafts(logits: mx.array, branches: int, context: tuple[mx.array, mx.a
     that block with one row's token swapped for a runner-up, at the (row, runner-up) pairs the
     drafter's own probabilities expect to gain most: the chance its rows before are all right,
     times the runner-up's probability, times one plus the run expected after it.
-    ``context``: each row's block copied from its own text and whether it has one
-    (runtime.lookup.context_drafts); where it has, that block replaces the last swap.
+    ``context``: each row's block copied from its own text and how many suffix tokens its
+    occurrence matched (runtime.lookup.context_drafts). With several blocks, a copy that
+    matched replaces the last swap; with one, it replaces the drafter's block where
+    :func:`copy_preferred` says so.
     """
-    if branches == 1:
+    if branches == 1 and context is None:
         return mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
     # some twenty ops: on a GPU, where each costs host time, one compiled step
     if context is None:
@@ -55,10 +58,23 @@ def branch_drafts(logits: mx.array, branches: int, context: tuple[mx.array, mx.a
     return compiled_step(_with_copied, branches=branches)(logits, *context)
 
 
-def _with_copied(logits: mx.array, copied: mx.array, found: mx.array, branches: int) -> mx.array:
+def _with_copied(logits: mx.array, copied: mx.array, matched: mx.array, branches: int) -> mx.array:
+    if branches == 1:
+        best = mx.argmax(logits, axis=-1).astype(mx.int32)
+        return mx.where(copy_preferred(best, copied, matched)[:, None], copied, best)[:, None]
     blocks = _drafter_blocks(logits, branches)
-    last = mx.where(found[:, None], copied, blocks[:, -1])
+    last = mx.where((matched > 0)[:, None], copied, blocks[:, -1])
     return mx.concatenate([blocks[:, :-1], last[:, None]], axis=1)
+
+
+def copy_preferred(best: mx.array, copied: mx.array, matched: mx.array) -> mx.array:
+    """``[R]``: whether a round that verifies one block should verify the copied one rather than
+    the drafter's ``best``: where the text's last :data:`COPY_MATCH` tokens occurred before, or
+    its last one did and the copy starts as the drafter's block does. Chosen on the validation
+    split from 2-block rounds (docs/branches.md, "One block: the drafter's or the copy"):
+    both blocks' accepted lengths were known there, and this rule kept most of what the better
+    of the two delivers."""
+    return (matched >= COPY_MATCH) | ((matched > 0) & (copied[:, 0] == best[:, 0]))
 
 
 def _drafter_blocks(logits: mx.array, branches: int) -> mx.array:

@@ -43,8 +43,9 @@ def copied_block(history: mx.array, length: mx.array, n: int) -> tuple[mx.array,
 
     ``history [R, C]`` (int32) holds each row's tokens so far, ``length [R]`` how many (at
     least one; positions past it are ignored). A continuation that runs into the suffix itself
-    repeats with its period, as a loop would. Returns ``(tokens [R, n] int32, found [R] bool)``;
-    a row without an occurrence gets its last token repeated, and ``found`` False.
+    repeats with its period, as a loop would. Returns ``(tokens [R, n] int32, matched [R] int32)``:
+    ``matched`` is how many suffix tokens the occurrence matched, 0 where none occurred (the
+    row then gets its last token repeated).
     """
     rows, capacity = history.shape
     positions = mx.arange(capacity)[None]
@@ -58,11 +59,12 @@ def copied_block(history: mx.array, length: mx.array, n: int) -> tuple[mx.array,
         still = still & (earlier == suffix) & (last - i >= 0)
         matched = matched + still.astype(mx.int32)
     best = mx.argmax(matched * capacity + positions, axis=1)  # the longest, then the latest
-    found = mx.take_along_axis(matched, best[:, None], axis=1)[:, 0] > 0
+    length_matched = mx.take_along_axis(matched, best[:, None], axis=1)[:, 0]
+    found = length_matched > 0
     period = mx.maximum(last[:, 0] - best, 1)
     index = best[:, None] + 1 + mx.arange(n)[None] % period[:, None]
     index = mx.where(found[:, None], index, last)
-    return mx.take_along_axis(history, index.astype(mx.int32), axis=1).astype(mx.int32), found
+    return mx.take_along_axis(history, index.astype(mx.int32), axis=1).astype(mx.int32), length_matched
 
 
 class TokenHistory:
@@ -85,10 +87,10 @@ def histories_drafts(histories: Sequence[TokenHistory], tokens: mx.array, counts
     capacity = max(h.tokens.shape[0] for h in histories)
     stacked = mx.stack([mx.pad(h.tokens, (0, capacity - h.tokens.shape[0])) for h in histories])
     lengths = mx.stack([h.length for h in histories])
-    stacked, lengths, copied, found = compiled_step(_appended_drafts, n=n)(stacked, lengths, tokens, counts)
+    stacked, lengths, copied, matched = compiled_step(_appended_drafts, n=n)(stacked, lengths, tokens, counts)
     for row, history in enumerate(histories):
         history.tokens, history.length = stacked[row, : history.tokens.shape[0]], lengths[row]
-    return copied, found
+    return copied, matched
 
 
 def _appended_drafts(history: mx.array, length: mx.array, tokens: mx.array, counts: mx.array,

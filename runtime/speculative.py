@@ -130,7 +130,7 @@ class SpeculativeDecoder:
         if block == 1:
             return Proposal(mx.zeros((1, self.branches, 0), dtype=mx.int32), None)
         context = context_drafts(mx.array([state.history]), mx.array([len(state.history)]), block - 1) \
-            if self.branches > 1 else None
+            if self.drafter.copies_blocks else None
         return propose_drafts(self.drafter, hidden[:, 1:], mx.array([state.anchor]), [self.draft_sampler], [block],
                               self.branches, context)
 

@@ -22,25 +22,26 @@ SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "n
          "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1500}
 
 
-def copied(history: list[int], n: int) -> tuple[list[int], bool]:
-    tokens, found = context_drafts(mx.array([history]), mx.array([len(history)]), n)
-    return tokens[0].tolist(), bool(found[0].item())
+def copied(history: list[int], n: int) -> tuple[list[int], int]:
+    """The copied block and how many suffix tokens its occurrence matched."""
+    tokens, matched = context_drafts(mx.array([history]), mx.array([len(history)]), n)
+    return tokens[0].tolist(), int(matched[0].item())
 
 
 def test_a_copied_block_continues_after_the_latest_longest_match_and_loops_with_its_period() -> None:
-    assert copied([5, 1, 2, 3, 9, 1, 2], 6) == ([3, 9, 1, 2, 3, 9], True)  # "1 2" before: then 3 9, then the loop again
-    assert copied([7, 8, 7, 8, 7], 5) == ([8, 7, 8, 7, 8], True)
-    assert copied([4, 1, 6, 2, 1, 6, 3, 1], 2) == ([6, 3], True)  # the latest of two equal matches
-    assert copied([3, 6, 5, 9, 6, 4, 3, 6], 2) == ([5, 9], True)  # "3 6" beats the later "6"
-    assert copied([1, 2, 3, 4], 3) == ([4, 4, 4], False)
-    assert copied([1], 2) == ([1, 1], False)
+    assert copied([5, 1, 2, 3, 9, 1, 2], 6) == ([3, 9, 1, 2, 3, 9], 2)  # "1 2" before: then 3 9, then the loop again
+    assert copied([7, 8, 7, 8, 7], 5) == ([8, 7, 8, 7, 8], 3)
+    assert copied([4, 1, 6, 2, 1, 6, 3, 1], 2) == ([6, 3], 1)  # the latest of two equal matches
+    assert copied([3, 6, 5, 9, 6, 4, 3, 6], 2) == ([5, 9], 2)  # "3 6" beats the later "6"
+    assert copied([1, 2, 3, 4], 3) == ([4, 4, 4], 0)
+    assert copied([1], 2) == ([1, 1], 0)
 
 
 def test_a_match_is_capped_at_max_match_tokens_and_its_latest_occurrence_wins() -> None:
     text = [9] * (MAX_MATCH + 3)  # every earlier position ends a run as long as the cap: the latest wins
-    assert copied(text + [9], 3) == ([9, 9, 9], True)
+    assert copied(text + [9], 3) == ([9, 9, 9], MAX_MATCH)
     loop = [2, 5, 8] * 6
-    assert copied(loop, 7) == ([2, 5, 8, 2, 5, 8, 2], True)
+    assert copied(loop, 7) == ([2, 5, 8, 2, 5, 8, 2], MAX_MATCH)
 
 
 def test_histories_of_any_length_reach_the_compiled_copy_in_few_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,29 +57,28 @@ def test_histories_of_any_length_reach_the_compiled_copy_in_few_shapes(monkeypat
     monkeypatch.setattr(lookup, "compiled_step", recording)
     text = [int(t) for t in np.random.default_rng(0).integers(0, 7, 300)]
     for length in range(1, 301):
-        tokens, found = copied(text[:length], 5)
-        assert (tokens, found) == expected_copy(text[:length], 5)
+        assert copied(text[:length], 5) == expected_copy(text[:length], 5)
     assert shapes == {(1, CAPACITY_STEP), (1, 2 * CAPACITY_STEP)}
 
 
-def expected_copy(history: list[int], n: int) -> tuple[list[int], bool]:
+def expected_copy(history: list[int], n: int) -> tuple[list[int], int]:
     """The copy rule spelled out on the host: the longest suffix (up to MAX_MATCH), its latest occurrence."""
     last = len(history) - 1
     for size in range(min(MAX_MATCH, last), 0, -1):
         for end in range(last - 1, size - 2, -1):
             if history[end - size + 1 : end + 1] == history[last - size + 1 :]:
                 period = last - end
-                return [history[end + 1 + i % period] for i in range(n)], True
-    return [history[last]] * n, False
+                return [history[end + 1 + i % period] for i in range(n)], size
+    return [history[last]] * n, 0
 
 
 def test_token_histories_append_rounds_on_the_device_and_stack_at_their_own_lengths() -> None:
     short, long = TokenHistory([7, 8], 12), TokenHistory([5, 1, 2, 3, 9], 300)
     # the tokens past a round's count land past the end: the next round's overwrite them
-    tokens, found = histories_drafts([short, long], mx.array([[7, 8, 7, 0], [1, 2, 77, 77]]), mx.array([3, 2]), 4)
+    tokens, matched = histories_drafts([short, long], mx.array([[7, 8, 7, 0], [1, 2, 77, 77]]), mx.array([3, 2]), 4)
     assert short.length.item() == 5 and long.length.item() == 7
     assert short.tokens.shape == (256,) and long.tokens.shape == (512,) and long.tokens[:9].tolist() == [5, 1, 2, 3, 9, 1, 2, 77, 77]
-    assert tokens.tolist() == [[8, 7, 8, 7], [3, 9, 1, 2]] and found.tolist() == [True, True]
+    assert tokens.tolist() == [[8, 7, 8, 7], [3, 9, 1, 2]] and matched.tolist() == [3, 2]
     tokens, _ = histories_drafts([long], mx.array([[3, 9, 5]]), mx.array([3]), 2)
     assert long.tokens[:10].tolist() == [5, 1, 2, 3, 9, 1, 2, 3, 9, 5] and tokens.tolist() == [[1, 2]]
     with pytest.raises(ValueError, match="capacity 2"):
@@ -88,11 +88,23 @@ def test_token_histories_append_rounds_on_the_device_and_stack_at_their_own_leng
 def test_a_found_copy_takes_the_last_blocks_place_and_a_missing_one_leaves_it() -> None:
     logits = mx.array(np.random.default_rng(1).normal(size=(2, 5, 30)).astype(np.float32))
     drafted = branch_drafts(logits, 3)
-    context = (mx.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), mx.array([True, False]))
+    context = (mx.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), mx.array([1, 0]))
     both = branch_drafts(logits, 3, context)
     assert both[0, 2].tolist() == [1, 2, 3, 4, 5] and (both[0, :2] == drafted[0, :2]).all()
     assert (both[1] == drafted[1]).all()
-    assert (branch_drafts(logits, 1, context) == drafted[:, :1]).all()  # one block: the drafter's
+
+
+def test_a_lone_block_is_the_copy_where_two_tokens_matched_or_one_did_and_it_starts_as_the_drafters() -> None:
+    logits = mx.array(np.random.default_rng(2).normal(size=(5, 4, 30)).astype(np.float32))
+    best = branch_drafts(logits, 1)[:, 0]
+    first = best[:, 0].tolist()
+    copy = mx.array([[first[0], 1, 2, 3], [29, 1, 2, 3], [first[2], 4, 5, 6], [29, 4, 5, 6], [first[4], 7, 8, 9]])
+    copy = mx.where(copy == mx.array([[29, 0, 0, 0]]), (best[:, :1] + 1) % 30, copy)  # a first token unlike the drafter's
+    blocks = branch_drafts(logits, 1, (copy, mx.array([2, 2, 1, 1, 0])))[:, 0]
+    # rows 0-1 matched two tokens: the copy; row 2 matched one and starts alike: the copy;
+    # row 3 matched one and starts otherwise: the drafter's; row 4 matched none: the drafter's
+    assert blocks[:3].tolist() == copy[:3].tolist()
+    assert blocks[3:].tolist() == best[3:].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -106,19 +118,25 @@ def drafter(target: LoadedModel) -> DFlashDrafter:
 
 
 def test_copied_blocks_win_rounds_on_looping_text_and_every_mode_keeps_the_reference_loops_rounds(
-        target: LoadedModel, drafter: DFlashDrafter, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A random target's greedy text falls into loops: there the copied block (the last of two)
-    is accepted far past the drafter's, the output stays plain greedy's, and every engine mode,
-    batched, makes the reference loop's rounds (the device-side history as the host's)."""
+        target: LoadedModel, drafter: DFlashDrafter, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A random target's greedy text falls into loops: there a copied block is accepted far past
+    the drafter's, alone (one block a round) or as the last of two; the output stays plain
+    greedy's, and every engine mode, batched, makes the reference loop's rounds (the
+    device-side history as the host's)."""
     params = GenerationParams(max_tokens=200)
     ids = [target.tokenizer.encode(text) for text in ("def add(a, b):", "Once upon a time", "x")]
     want = [run_plain(target, p, params).token_ids for p in ids]
-    reference = []
-    for p, plain in zip(ids, want):
-        result, stats = run_dflash(target, drafter, p, params, 2)
-        assert result.token_ids == plain
-        reference.append([(r.facts.accepted, r.facts.branch, r.facts.committed) for r in stats.rounds])
-    one = sum(len(run_dflash(target, drafter, p, params, 1)[1].rounds) for p in ids)
-    assert sum(map(len, reference)) < 0.85 * one
-    assert any(branch == 1 and accepted >= 4 for rounds in reference for accepted, branch, _ in rounds)
-    assert_every_mode_makes_these_rounds(target, drafter, ids, params, 2, reference, want, tmp_path)
+    reference: dict[int, list[list[tuple[int, int, list[int]]]]] = {1: [], 2: []}
+    for branches, rounds in reference.items():
+        for p, plain in zip(ids, want):
+            result, stats = run_dflash(target, drafter, p, params, branches)
+            assert result.token_ids == plain
+            rounds.append([(r.facts.accepted, r.facts.branch, r.facts.committed) for r in stats.rounds])
+    with monkeypatch.context() as patch:
+        patch.setattr(DFlashDrafter, "copies_blocks", property(lambda self: False))
+        drafters_alone = sum(len(run_dflash(target, drafter, p, params, 1)[1].rounds) for p in ids)
+    assert sum(map(len, reference[1])) < 0.85 * drafters_alone
+    assert sum(map(len, reference[2])) <= sum(map(len, reference[1]))
+    assert any(branch == 1 and accepted >= 4 for rounds in reference[2] for accepted, branch, _ in rounds)
+    for branches, rounds in reference.items():
+        assert_every_mode_makes_these_rounds(target, drafter, ids, params, branches, rounds, want, tmp_path / str(branches))

@@ -622,6 +622,12 @@ class DFlashDrafter(nn.Module):
         """Draft logits for block rows 1.. (row 0, the anchor, predicts nothing)."""
         return self.logits(self.hidden(block, ctx_features, cache)[:, 1:])
 
+    @property
+    def copies_blocks(self) -> bool:
+        """Whether its rounds may verify a block copied from the request's own text (runtime/lookup.py):
+        a DFlash 1 drafter's, whose blocks are argmax picks; a DFlash 2 selector draws one path."""
+        return self.selector is None
+
     def propose(self, hidden: mx.array, anchors: mx.array, temperatures: mx.array | None = None,
                 noise: mx.array | None = None, branches: int = 1,
                 context: tuple[mx.array, mx.array] | None = None) -> Proposal:
