@@ -30,7 +30,7 @@ from .models.steps import compiled_step
 
 MAX_BRANCHES = 16
 RANKS = 4  # a row's tokens a block may take: its best and three runner-ups
-COPY_MATCH = 2  # suffix tokens a copy's occurrence must match to replace a lone block outright
+COPY_SHARE = 0.03  # a lone block is the copy unless the drafter expects it to run under this share of its own
 
 
 def check_branches(branches: int) -> None:
@@ -61,20 +61,26 @@ def branch_drafts(logits: mx.array, branches: int, context: tuple[mx.array, mx.a
 def _with_copied(logits: mx.array, copied: mx.array, matched: mx.array, branches: int) -> mx.array:
     if branches == 1:
         best = mx.argmax(logits, axis=-1).astype(mx.int32)
-        return mx.where(copy_preferred(best, copied, matched)[:, None], copied, best)[:, None]
+        return mx.where(copy_preferred(logits, best, copied, matched)[:, None], copied, best)[:, None]
     blocks = _drafter_blocks(logits, branches)
     last = mx.where((matched > 0)[:, None], copied, blocks[:, -1])
     return mx.concatenate([blocks[:, :-1], last[:, None]], axis=1)
 
 
-def copy_preferred(best: mx.array, copied: mx.array, matched: mx.array) -> mx.array:
+def copy_preferred(logits: mx.array, best: mx.array, copied: mx.array, matched: mx.array) -> mx.array:
     """``[R]``: whether a round that verifies one block should verify the copied one rather than
-    the drafter's ``best``: where the text's last :data:`COPY_MATCH` tokens occurred before, or
-    its last one did and the copy starts as the drafter's block does. Chosen on the validation
-    split from 2-block rounds (docs/branches.md, "One block: the drafter's or the copy"):
-    both blocks' accepted lengths were known there, and this rule kept most of what the better
-    of the two delivers."""
-    return (matched >= COPY_MATCH) | ((matched > 0) & (copied[:, 0] == best[:, 0]))
+    the drafter's ``best``: where the text's last token occurred before, unless the drafter's own
+    probabilities (``logits [R, n, V]``) expect the copy to run less than :data:`COPY_SHARE` as far
+    as its block. Chosen on the validation split from 2-block rounds, where both blocks'
+    accepted lengths are known (docs/branches.md, "One block: the drafter's or the copy")."""
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    return (matched > 0) & (expected_run(probs, copied) >= COPY_SHARE * expected_run(probs, best))
+
+
+def expected_run(probs: mx.array, block: mx.array) -> mx.array:
+    """``[R]``: the drafts of ``block [R, n]`` the verifier would accept, expected by ``probs [R, n, V]``
+    taken as each row's chance of being right."""
+    return mx.cumprod(mx.take_along_axis(probs, block[..., None], axis=-1)[..., 0], axis=1).sum(axis=1)
 
 
 def _drafter_blocks(logits: mx.array, branches: int) -> mx.array:
