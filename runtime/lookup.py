@@ -47,17 +47,16 @@ def copied_block(history: mx.array, length: mx.array, n: int) -> tuple[mx.array,
     ``matched`` is how many suffix tokens the occurrence matched, 0 where none occurred (the
     row then gets its last token repeated).
     """
-    rows, capacity = history.shape
+    capacity = history.shape[1]
     positions = mx.arange(capacity)[None]
     last = (length.astype(mx.int32) - 1)[:, None]  # [R, 1]: the latest token's position
+    back = mx.arange(MAX_MATCH)  # i: tokens back from an occurrence's end, and from the suffix's
+    # every shift at once rather than a loop over them: on a GPU each op costs host time
     padded = mx.pad(history.astype(mx.int32), [(0, 0), (MAX_MATCH, 0)], constant_values=-1)
-    matched = mx.zeros((rows, capacity), dtype=mx.int32)  # at s: tokens ending at s equal to the suffix
-    still = positions < last  # an occurrence ends before the suffix does
-    for i in range(MAX_MATCH):
-        earlier = padded[:, MAX_MATCH - i : MAX_MATCH - i + capacity]  # token at s - i
-        suffix = mx.take_along_axis(history, mx.maximum(last - i, 0), axis=1)  # token at last - i
-        still = still & (earlier == suffix) & (last - i >= 0)
-        matched = matched + still.astype(mx.int32)
+    earlier = mx.take(padded, positions - back[:, None] + MAX_MATCH, axis=1)  # [R, i, s]: the token at s - i
+    suffix = mx.take_along_axis(history, mx.maximum(last - back, 0), axis=1)  # [R, i]: the token at last - i
+    equal = (earlier == suffix[..., None]) & (last - back >= 0)[..., None] & (positions < last)[:, None]
+    matched = mx.cumprod(equal.astype(mx.int32), axis=1).sum(axis=1)  # [R, s]: tokens ending at s equal to the suffix
     best = mx.argmax(matched * capacity + positions, axis=1)  # the longest, then the latest
     length_matched = mx.take_along_axis(matched, best[:, None], axis=1)[:, 0]
     found = length_matched > 0
