@@ -1,8 +1,10 @@
 """Verifying several drafted blocks a round and keeping the one the target accepts furthest.
 
-A round drafts one block: the drafter's best token in every row. Where its first choice
-is wrong the target often wanted a runner-up (its misses sit where the target itself
-hesitates: docs/branches.md), and an early miss costs most of the round. So a round can
+A round drafts one block: the drafter's best token in every row, or the block copied from
+the request's own text where the drafter does not find it unlikely (:func:`copy_preferred`,
+runtime/lookup.py). Where the drafter's first choice is wrong the target often wanted a
+runner-up (its misses sit where the target itself hesitates: docs/branches.md), and an
+early miss costs most of the round. So a round can
 draft ``branches`` blocks: its best, and copies of it with one row's token swapped for a
 runner-up where the drafter's own probabilities expect the most gain (:func:`branch_drafts`),
 verify them in one target forward, and keep the block accepted furthest (ties: the earlier

@@ -4,9 +4,11 @@ occurrence of the text's last tokens.
 Generated text repeats itself: code reuses its names and lines, a worked answer restates the
 question's numbers, a small model falls into loops. Where it does, the tokens that followed
 the last time the current suffix occurred predict the next ones better than a drafter that
-sees each round afresh. Such a block is one more candidate for a round that verifies several
-(runtime/branches.py): it costs the drafter nothing and, where it is wrong, the verifier keeps
-the drafter's block instead, so the output stays the target's own (docs/branches.md).
+sees each round afresh. Such a block is one more candidate for a round that verifies several,
+and a round that verifies one verifies it instead of the drafter's where the drafter does not
+find it unlikely (runtime/branches.py). It costs the drafter nothing, and the verifier accepts
+only what the target itself would have produced, so the output stays the target's own
+(docs/branches.md).
 
 Everything here runs on the device over fixed shapes, so the pipelined engine's drafter can
 copy round N+1's block from round N's verdict before the host has read it.
