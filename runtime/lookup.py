@@ -86,7 +86,9 @@ def histories_drafts(histories: Sequence[TokenHistory], tokens: mx.array, counts
     """:func:`context_drafts` of stacked requests' histories after each appends the first
     ``counts [R]`` of its ``tokens [R, W]`` (the rest land past its end, where the next go)."""
     capacity = max(h.tokens.shape[0] for h in histories)
-    stacked = mx.stack([mx.pad(h.tokens, (0, capacity - h.tokens.shape[0])) for h in histories])
+    # a pad even of nothing is a copy on the device: only shorter histories get one
+    stacked = mx.stack([h.tokens if h.tokens.shape[0] == capacity else mx.pad(h.tokens, (0, capacity - h.tokens.shape[0]))
+                        for h in histories])
     lengths = mx.stack([h.length for h in histories])
     stacked, lengths, copied, matched = compiled_step(_appended_drafts, n=n)(stacked, lengths, tokens, counts)
     for row, history in enumerate(histories):
