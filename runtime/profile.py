@@ -3,8 +3,8 @@
     python -m runtime.profile [--draft random:5] [--block-size 16] [--context 256] [--reps 20]
 
 For the verify forward (``[anchor] + drafts`` through the target, device-side KV length,
-as the verifier runs it), the draft forward (the drafter over its device cache, as the
-drafter actor runs it), a whole round (draft then verify of its drafts) and a one-token
+as the verifier runs it), the draft forward (the drafter over its device cache and, for a
+DFlash 1 drafter, the block copied from the text, as the drafter actor runs them), a whole round (draft then verify of its drafts) and a one-token
 target forward (plain decoding), it reports:
 
 - ``ops``: primitives in the step's graph (each one is a kernel launch or a view), and
@@ -49,6 +49,7 @@ from .defaults import default_model_path
 from .drafters import resolve_drafter
 from .engine import MODES
 from .loading import LoadedModel, load_target
+from .lookup import context_drafts
 from .models.dflash import DFlashDrafter
 from .models.steps import default_compile_steps
 
@@ -152,10 +153,13 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
     taps = out.taps[:, -block:]  # a round's worth of new context rows, all kept
     keep = mx.array(block, dtype=mx.int32)
     mask_ids = mx.full((block - 1,), drafter.args.mask_token_id, dtype=mx.int32)
+    history, length = mx.array([ids]), mx.array([len(ids)])
 
     def draft() -> Sequence[mx.array]:
         hidden = drafter.hidden(mx.concatenate([anchor, mask_ids])[None], taps, drafter_cache, keep=keep)
-        return [drafter.propose(hidden[:, 1:], anchor).tokens[:, 0]]  # DFlash 2: the selector's greedy path
+        # a DFlash 1 drafter's block may be the one copied from the text (runtime/lookup.py)
+        copied = context_drafts(history, length, block - 1) if drafter.copies_blocks else None
+        return [drafter.propose(hidden[:, 1:], anchor, context=copied).tokens[:, 0]]  # DFlash 2: the selector's greedy path
 
     def verify(drafts: mx.array) -> Sequence[mx.array]:
         result = model(mx.concatenate([anchor, drafts.reshape(-1)])[None], target_cache, tap_layers=drafter.tap_layers)
