@@ -27,11 +27,17 @@ CAPACITY_STEP = 256  # histories' lengths on the device, rounded up to a multipl
 
 
 def context_drafts(history: mx.array, length: mx.array, n: int) -> tuple[mx.array, mx.array]:
-    """:func:`copied_block`, as one compiled step on a GPU (some fifty ops, each costing host time
+    """:func:`copied_block`, as one compiled step on a GPU (some seventy ops eager, each costing host time
     there). The history is padded to a rounded capacity first: a compiled step is traced again
     for every new shape, and on a GPU a trace builds kernels for seconds."""
-    padding = rounded_capacity(history.shape[1]) - history.shape[1]
-    return compiled_step(copied_block, n=n)(mx.pad(history, [(0, 0), (0, padding)]), length)
+    return compiled_step(copied_block, n=n)(padded_to(history, rounded_capacity(history.shape[1])), length)
+
+
+def padded_to(tokens: mx.array, length: int) -> mx.array:
+    """``tokens`` padded with zeros along their last axis to ``length``; as they are where they
+    already fill it, since a pad even of nothing is a copy on the device."""
+    extra = length - tokens.shape[-1]
+    return tokens if extra == 0 else mx.pad(tokens, [(0, 0)] * (tokens.ndim - 1) + [(0, extra)])
 
 
 def rounded_capacity(tokens: int) -> int:
@@ -86,9 +92,7 @@ def histories_drafts(histories: Sequence[TokenHistory], tokens: mx.array, counts
     """:func:`context_drafts` of stacked requests' histories after each appends the first
     ``counts [R]`` of its ``tokens [R, W]`` (the rest land past its end, where the next go)."""
     capacity = max(h.tokens.shape[0] for h in histories)
-    # a pad even of nothing is a copy on the device: only shorter histories get one
-    stacked = mx.stack([h.tokens if h.tokens.shape[0] == capacity else mx.pad(h.tokens, (0, capacity - h.tokens.shape[0]))
-                        for h in histories])
+    stacked = mx.stack([padded_to(h.tokens, capacity) for h in histories])
     lengths = mx.stack([h.length for h in histories])
     stacked, lengths, copied, matched = compiled_step(_appended_drafts, n=n)(stacked, lengths, tokens, counts)
     for row, history in enumerate(histories):

@@ -4,8 +4,9 @@
 
 For the verify forward (``[anchor] + drafts`` through the target, device-side KV length,
 as the verifier runs it), the draft forward (the drafter over its device cache and, for a
-DFlash 1 drafter, the block copied from the text, as the drafter actor runs them), a whole round (draft then verify of its drafts) and a one-token
-target forward (plain decoding), it reports:
+DFlash 1 drafter, the block copied from the text, as the drafter actor runs them), a whole
+round (draft then verify of its drafts) and a one-token target forward (plain decoding), it
+reports:
 
 - ``ops``: primitives in the step's graph (each one is a kernel launch or a view), and
   ``top_ops`` the most frequent of them by name;
