@@ -110,11 +110,13 @@ def test_smollm2_engine_output_equals_plain_greedy(dtype: str, setting: str, mon
 
 
 @on_gpu
-def test_a_wide_4bit_target_verifies_on_tensor_cores_by_default_and_equals_plain_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["random:qwen3-8b-4bit", "random:qwen3-8b"])
+def test_a_wide_target_verifies_on_tensor_cores_by_default_and_equals_plain_greedy(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DFLASH_BATCH_INVARIANT", raising=False)
     shape = {"num_hidden_layers": 2, "hidden_size": TENSOR_CORE_MIN_INNER, "intermediate_size": 4096,
              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 4096}
-    target = load_checkpoint(random_checkpoint("random:qwen3-8b-4bit", overrides=shape))
+    target = load_checkpoint(random_checkpoint(name, overrides=shape))
     assert isinstance(target.model.model.layers[0].mlp.down_proj, TensorCoreLinear)
     drafter = oracle_drafter(target, "random:1", 4.0, 16)
     params = GenerationParams(max_tokens=96)
@@ -133,16 +135,15 @@ def test_on_the_cpu_the_models_keep_mlx_matmuls(tiny_llama_dir: Path) -> None:
     assert isinstance(layer.self_attn.qkv_proj, TransposedLinear) and "tied_head" not in target.model
 
 
-@pytest.mark.parametrize("setting,wide_quantized,narrow_quantized,dense", [
-    ("1", True, False, False), ("tc", True, True, True), ("dense", False, False, False), ("all", False, False, False),
-    ("0", False, False, False)])
-def test_tensor_cores_take_the_quantized_projections_of_wide_targets_by_default(
-        setting: str, wide_quantized: bool, narrow_quantized: bool, dense: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("setting,wide,narrow", [
+    ("1", True, False), ("tc", True, True), ("dense", False, False), ("all", False, False), ("0", False, False)])
+def test_tensor_cores_take_the_projections_of_wide_targets_by_default(
+        setting: str, wide: bool, narrow: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DFLASH_BATCH_INVARIANT", setting)
-    wide = nn.QuantizedLinear(TENSOR_CORE_MIN_INNER, 64, bias=False, group_size=64, bits=4)
-    narrow = nn.QuantizedLinear(576, 64, bias=False, group_size=64, bits=4)
-    linear = nn.Linear(TENSOR_CORE_MIN_INNER, 64, bias=False)
-    assert wants_tensor_cores(wide, None) is wide_quantized
-    assert wants_tensor_cores(nn.QuantizedEmbedding(64, TENSOR_CORE_MIN_INNER, group_size=64, bits=8), None) is wide_quantized
-    assert wants_tensor_cores(narrow, None) is narrow_quantized
-    assert wants_tensor_cores(linear, linear.weight) is dense
+    wide_dense = nn.Linear(TENSOR_CORE_MIN_INNER, 64, bias=False)
+    narrow_dense = nn.Linear(576, 64, bias=False)
+    assert wants_tensor_cores(nn.QuantizedLinear(TENSOR_CORE_MIN_INNER, 64, bias=False, group_size=64, bits=4), None) is wide
+    assert wants_tensor_cores(nn.QuantizedEmbedding(64, TENSOR_CORE_MIN_INNER, group_size=64, bits=8), None) is wide
+    assert wants_tensor_cores(wide_dense, wide_dense.weight) is wide
+    assert wants_tensor_cores(nn.QuantizedLinear(576, 64, bias=False, group_size=64, bits=4), None) is narrow
+    assert wants_tensor_cores(narrow_dense, narrow_dense.weight) is narrow

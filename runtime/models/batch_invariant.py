@@ -16,9 +16,9 @@ once per ``ROWS`` rows, and a whole decode step's weights once, as a matrix-vect
 does. On the CPU (MLX's kernels are row-invariant there in float32) the models keep MLX's
 matmuls. MLX's affine 2/4/8-bit weights are dequantized in float32 inside the same loop, when
 ``DFLASH_BATCH_INVARIANT=all`` asks for it (not yet measured on a whole model). The tensor-core
-kernel (``tensor_core.py``), which reads the weights once for up to 32 rows, takes the 4/8-bit
-projections of 4B-8B targets by default, every projection it can under ``=tc`` and none under
-``=dense``; ``=0`` turns the kernels off, to measure one against another.
+kernel (``tensor_core.py``), which reads the weights once for up to 32 rows, takes the projections
+of 4B-8B targets by default (4/8-bit and 16-bit alike), every projection it can under ``=tc`` and
+none under ``=dense``; ``=0`` turns the kernels off, to measure one against another.
 """
 
 from __future__ import annotations
@@ -120,21 +120,25 @@ def kernel_enabled() -> bool:
     return os.environ.get("DFLASH_BATCH_INVARIANT", "1") != "0"
 
 
-# Quantized projections this wide take the tensor-core kernel by default: at 4B-8B (inner 2,560-
-# 14,336) it made pipelined rounds 1.4-1.8x faster with every output equal to plain greedy
-# (BENCHMARKS.md, session 24); narrower ones (SmolLM2's 576-1,536) have not been measured with it
+# Projections this wide take the tensor-core kernel by default. At 4B-8B (inner 2,560-14,336) it
+# made 4-bit pipelined rounds 1.4-1.8x faster (BENCHMARKS.md, session 24) and bf16 ones 1.7-2.3x
+# faster than the dense kernel, which reads the weights once per 8 rows, with plain decoding 7-9%
+# faster too (session 34), every output equal to plain greedy. At SmolLM2's widths (576-1,536) it
+# left pipelined tok/s as it was and slowed plain decoding 10-18% (session 34): those stay off it.
 TENSOR_CORE_MIN_INNER = 2048
 
 
 def wants_tensor_cores(layer: nn.Module, dense_weight: mx.array | None) -> bool:
     """``DFLASH_BATCH_INVARIANT=tc``: every projection the tensor-core kernel takes; by default
-    (``1``) the quantized ones of at least ``TENSOR_CORE_MIN_INNER`` inputs; ``dense``: none (the
-    dense kernel only, quantized weights on MLX's matmuls)."""
+    (``1``) those of at least ``TENSOR_CORE_MIN_INNER`` inputs, dense or quantized; ``dense``: none
+    (the dense kernel only, quantized weights on MLX's matmuls)."""
     setting = os.environ.get("DFLASH_BATCH_INVARIANT", "1")
-    if setting == "tc":
-        return True
-    quantized = dense_weight is None and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    return setting == "1" and quantized and weight_inputs(layer.weight, layer.bits) >= TENSOR_CORE_MIN_INNER
+    if setting != "1":
+        return setting == "tc"
+    if dense_weight is not None:
+        return dense_weight.shape[1] >= TENSOR_CORE_MIN_INNER
+    quantized = isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    return quantized and weight_inputs(layer.weight, layer.bits) >= TENSOR_CORE_MIN_INNER
 
 
 def quantized_enabled() -> bool:
