@@ -86,6 +86,16 @@ class TokenHistory:
         self.tokens = mx.array([*prompt_ids, *[0] * (capacity - len(prompt_ids))], dtype=mx.int32)
         self.length = mx.array(len(prompt_ids), dtype=mx.int32)
 
+    def extend(self, tokens: Sequence[int], length: int) -> None:
+        """``tokens`` the host has read, after the first ``length`` (the sequential loop): only they
+        travel to the device, not the whole history again."""
+        self.tokens[length : length + len(tokens)] = mx.array(tokens, dtype=mx.int32)
+        self.length = mx.array(length + len(tokens), dtype=mx.int32)
+
+    def drafts(self, n: int) -> tuple[mx.array, mx.array]:
+        """:func:`context_drafts` of this history alone: ``([1, n] tokens, [1] matched)``."""
+        return context_drafts(self.tokens[None], self.length[None], n)
+
 
 def histories_drafts(histories: Sequence[TokenHistory], tokens: mx.array, counts: mx.array,
                      n: int) -> tuple[mx.array, mx.array]:

@@ -23,7 +23,7 @@ from .branches import block_tokens, check_branches, keep_branch_host, kept_rows
 from .cache import KVCache, cache_length, trim_caches
 from .errors import RequestError
 from .invariants import RoundAuditor, RoundFacts
-from .lookup import context_drafts
+from .lookup import TokenHistory
 from .models import DecoderModel
 from .models.dflash import DFlashDrafter, Proposal
 from .plain import check_context
@@ -81,7 +81,7 @@ class RequestState:
     pending_ctx: mx.array  # [1, rows, n_taps*H]: accepted features not yet in the drafter cache
     anchor: int
     committed: int  # prompt + generated tokens
-    history: list[int]  # those tokens: the text a block is copied from (runtime/lookup.py)
+    history: TokenHistory | None  # those tokens on the device, where the drafter copies blocks (runtime/lookup.py)
 
     @property
     def target_kv(self) -> int:
@@ -118,7 +118,9 @@ class SpeculativeDecoder:
         assert out.taps is not None
         mx.eval(first, out.taps)
         token = int(first.item())
-        state = RequestState(cache, self.drafter.make_cache(), out.taps, token, len(prompt_ids) + 1, [*prompt_ids, token])
+        history = TokenHistory([*prompt_ids, token], len(prompt_ids) + self.params.max_tokens + 2 * self.block) \
+            if self.drafter.copies_blocks else None
+        state = RequestState(cache, self.drafter.make_cache(), out.taps, token, len(prompt_ids) + 1, history)
         self.auditor = RoundAuditor(len(prompt_ids), len(self.drafter.tap_layers), self.target.args.hidden_size)
         return state, token
 
@@ -129,8 +131,7 @@ class SpeculativeDecoder:
         hidden = self.drafter.hidden(tokens, state.pending_ctx, state.drafter_cache)
         if block == 1:
             return Proposal(mx.zeros((1, self.branches, 0), dtype=mx.int32), None)
-        context = context_drafts(mx.array([state.history]), mx.array([len(state.history)]), block - 1) \
-            if self.drafter.copies_blocks else None
+        context = state.history.drafts(block - 1) if state.history is not None else None
         return propose_drafts(self.drafter, hidden[:, 1:], mx.array([state.anchor]), [self.draft_sampler], [block],
                               self.branches, context)
 
@@ -167,8 +168,9 @@ class SpeculativeDecoder:
         trim_caches(state.target_cache, block - a - 1)
         state.pending_ctx = taps[:, : a + 1]
         state.anchor = committed[-1]
+        if state.history is not None:
+            state.history.extend(committed, state.committed)
         state.committed += len(committed)
-        state.history += committed
         facts = RoundFacts(
             round=index, anchor_pos=kv_before, block_size=block, drafts=draft_list,
             target_tokens=result.target_tokens.tolist()[: len(draft_list) + 1], accepted=a,

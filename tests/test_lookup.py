@@ -85,6 +85,16 @@ def test_token_histories_append_rounds_on_the_device_and_stack_at_their_own_leng
         TokenHistory([1, 2, 3], 2)
 
 
+def test_a_history_extended_from_the_host_copies_as_the_whole_text_would() -> None:
+    text = [4, 5, 6, 9, 4, 5, 6, 1, 2, 4, 5]
+    history = TokenHistory(text[:3], 40)
+    history.extend(text[3:7], 3)
+    history.extend(text[7:], 7)
+    assert history.length.item() == len(text) and history.tokens[: len(text)].tolist() == text
+    tokens, matched = history.drafts(4)
+    assert (tokens[0].tolist(), matched.item()) == copied(text, 4) == expected_copy(text, 4)
+
+
 def test_a_found_copy_takes_the_last_blocks_place_and_a_missing_one_leaves_it() -> None:
     logits = mx.array(np.random.default_rng(1).normal(size=(2, 5, 30)).astype(np.float32))
     drafted = branch_drafts(logits, 3)
