@@ -170,23 +170,25 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
 
     drafts = draft()[0]
     mx.eval(drafts)
-    plain_cache = model.make_cache()
-    mx.eval(model(mx.array([ids]), plain_cache).logits)
+    # plain decoding's own step (runtime.plain): one token over device caches, compiled where steps are
+    plain_cache = model.make_device_cache()
+    mx.eval(model.prefill(ids, plain_cache).logits)
+    for layer in plain_cache:
+        layer.reserve(reps + 1)
 
     def plain() -> Sequence[mx.array]:
         logits = model(anchor[None], plain_cache).logits
-        for layer in plain_cache:
-            layer.trim(1)
-        return [mx.argmax(logits[0, -1])]
+        advance_layers(plain_cache, 1)
+        return [mx.argmax(logits[0, -1]), plain_cache[0].length]
 
-    mx.eval(*plain())  # its buffer grows now if the context filled it, not in a timed call
+    mx.eval(*plain())  # a first trace and any buffer growth now, not in a timed call
 
     both = target_cache + drafter_cache
     return {
         "verify": time_step(lambda: verify(drafts), target_cache, reps),
         "draft": time_step(draft, drafter_cache, reps),
         "round": time_step(lambda: verify(draft()[0]), both, reps),
-        "plain_token": time_step(plain, [], reps),
+        "plain_token": time_step(plain, plain_cache, reps),
         "verify_chain_waited": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=0),
         "verify_chain_read_previous": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=1),
         "verify_chain_read_two_back": chained(lambda: verify(drafts), target_cache, len(ids), reps, lag=2),
