@@ -80,8 +80,7 @@ class Drafter(DeviceStateOwner[DrafterRequest, DraftOutputs]):
     async def handle(self, message: ActorMessage) -> None:
         if isinstance(message, Admit):
             block = block_size_for(self.drafter, message.params)
-            # rounds drafted ahead of the last verdict read may append past max_tokens: room for a few
-            history = TokenHistory(message.prompt_ids, len(message.prompt_ids) + message.params.max_tokens + 4 * block) \
+            history = TokenHistory.for_request(message.prompt_ids, message.params.max_tokens, block) \
                 if self.drafter.copies_blocks else None
             self.requests[message.request_id] = DrafterRequest(
                 self.drafter.make_device_cache(), block, message.params.max_tokens,

@@ -86,6 +86,12 @@ class TokenHistory:
         self.tokens = mx.array([*prompt_ids, *[0] * (capacity - len(prompt_ids))], dtype=mx.int32)
         self.length = mx.array(len(prompt_ids), dtype=mx.int32)
 
+    @classmethod
+    def for_request(cls, prompt_ids: Sequence[int], max_tokens: int, block: int) -> TokenHistory:
+        """Room for a request's whole text: rounds drafted ahead of the last verdict read, and a last
+        round's whole block, may append past ``max_tokens``, so a few blocks more."""
+        return cls(prompt_ids, len(prompt_ids) + max_tokens + 4 * block)
+
     def extend(self, tokens: Sequence[int], length: int) -> None:
         """``tokens`` the host has read, after the first ``length`` (the sequential loop): only they
         travel to the device, not the whole history again."""

@@ -50,7 +50,7 @@ from .defaults import default_model_path
 from .drafters import resolve_drafter
 from .engine import MODES
 from .loading import LoadedModel, load_target
-from .lookup import context_drafts
+from .lookup import TokenHistory
 from .models.dflash import DFlashDrafter
 from .models.steps import default_compile_steps
 
@@ -154,12 +154,12 @@ def round_parts(target: LoadedModel, drafter: DFlashDrafter, context: int, block
     taps = out.taps[:, -block:]  # a round's worth of new context rows, all kept
     keep = mx.array(block, dtype=mx.int32)
     mask_ids = mx.full((block - 1,), drafter.args.mask_token_id, dtype=mx.int32)
-    history, length = mx.array([ids]), mx.array([len(ids)])
+    history = TokenHistory.for_request(ids, reps, block)
 
     def draft() -> Sequence[mx.array]:
         hidden = drafter.hidden(mx.concatenate([anchor, mask_ids])[None], taps, drafter_cache, keep=keep)
         # a DFlash 1 drafter's block may be the one copied from the text (runtime/lookup.py)
-        copied = context_drafts(history, length, block - 1) if drafter.copies_blocks else None
+        copied = history.drafts(block - 1) if drafter.copies_blocks else None
         return [drafter.propose(hidden[:, 1:], anchor, context=copied).tokens[:, 0]]  # DFlash 2: the selector's greedy path
 
     def verify(drafts: mx.array) -> Sequence[mx.array]:

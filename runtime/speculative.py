@@ -118,7 +118,7 @@ class SpeculativeDecoder:
         assert out.taps is not None
         mx.eval(first, out.taps)
         token = int(first.item())
-        history = TokenHistory([*prompt_ids, token], len(prompt_ids) + self.params.max_tokens + 2 * self.block) \
+        history = TokenHistory.for_request([*prompt_ids, token], self.params.max_tokens, self.block) \
             if self.drafter.copies_blocks else None
         state = RequestState(cache, self.drafter.make_cache(), out.taps, token, len(prompt_ids) + 1, history)
         self.auditor = RoundAuditor(len(prompt_ids), len(self.drafter.tap_layers), self.target.args.hidden_size)
